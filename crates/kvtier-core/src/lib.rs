@@ -1,0 +1,21 @@
+//! kvtier-core: the vocabulary every other kvtier crate shares.
+//!
+//! - [`KvGeometry`] and [`Dtype`]: the shape of one model's KV cache and the byte arithmetic
+//!   derived from it (bytes per token, per block-layer, per block).
+//! - [`Namespace`] and its [`NamespaceFingerprint`]: which blocks may ever match each other.
+//! - [`BlockKey`] and [`BlockHasher`]: the 128-bit chained prefix hash that addresses a block
+//!   everywhere (see `docs/block-keys.md` and the published vectors in `vectors/`).
+//! - [`ByteSize`]: human byte sizes (`512MiB`, `2GiB`) for configuration and flags.
+#![warn(missing_docs)]
+
+mod block_key;
+mod byte_size;
+mod error;
+mod geometry;
+mod namespace;
+
+pub use block_key::{BlockHasher, BlockKey};
+pub use byte_size::ByteSize;
+pub use error::CoreError;
+pub use geometry::{Dtype, KvGeometry};
+pub use namespace::{Namespace, NamespaceFingerprint};

@@ -1,0 +1,120 @@
+//! Errors of kvtier-store.
+
+use std::io;
+use std::path::PathBuf;
+
+use kvtier_core::{BlockKey, CoreError};
+
+/// Why a kvtier-store operation failed. Every variant names the offending value.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// A namespace, geometry or size from kvtier-core was invalid.
+    #[error(transparent)]
+    Core(#[from] CoreError),
+    /// A system call on a file or mapping failed.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was being done (`create`, `open`, `map`, …).
+        op: &'static str,
+        /// The file concerned (`<memfd:name>` for anonymous memory).
+        path: PathBuf,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// A file that must be created already exists.
+    #[error("{path} already exists: remove it or choose another path")]
+    AlreadyExists {
+        /// The path.
+        path: PathBuf,
+    },
+    /// A file that must be opened does not exist.
+    #[error("{path} does not exist")]
+    FileNotFound {
+        /// The path.
+        path: PathBuf,
+    },
+    /// A file has another size than its header or the caller says it must have.
+    #[error("{path} is {actual_bytes} bytes, expected {expected_bytes}")]
+    WrongSize {
+        /// The path.
+        path: PathBuf,
+        /// Size the caller expected.
+        expected_bytes: u64,
+        /// Size found.
+        actual_bytes: u64,
+    },
+    /// A capacity too small to hold a single block.
+    #[error("capacity of {capacity_bytes} bytes is smaller than one block page of {page_bytes} bytes")]
+    CapacityTooSmall {
+        /// Capacity asked for.
+        capacity_bytes: u64,
+        /// Bytes one block needs (all layers, page-aligned).
+        page_bytes: u64,
+    },
+    /// A capacity that needs more pages than an arena can index.
+    #[error(
+        "capacity of {capacity_bytes} bytes needs {pages} pages, more than the {max_pages} an arena can hold"
+    )]
+    CapacityTooLarge {
+        /// Capacity asked for.
+        capacity_bytes: u64,
+        /// Pages it would need.
+        pages: u64,
+        /// Most pages an arena holds.
+        max_pages: u64,
+    },
+    /// A byte range outside a mapped region.
+    #[error("range {offset}+{len} is outside the {region_bytes}-byte region {region}")]
+    OutOfBounds {
+        /// Region name (path or memfd name).
+        region: String,
+        /// Start of the range.
+        offset: usize,
+        /// Length of the range.
+        len: usize,
+        /// Size of the region.
+        region_bytes: usize,
+    },
+    /// A layer index at or past the geometry's layer count.
+    #[error("layer {layer} out of range: the geometry has {layers} layers")]
+    LayerOutOfRange {
+        /// Layer asked for.
+        layer: u32,
+        /// Layers in the geometry.
+        layers: u32,
+    },
+    /// A buffer whose length is not one block-layer.
+    #[error("buffer of {actual_bytes} bytes where one block-layer of {expected_bytes} bytes is needed")]
+    BufferSize {
+        /// Bytes expected.
+        expected_bytes: usize,
+        /// Bytes given.
+        actual_bytes: usize,
+    },
+    /// A key that is not stored (or not readable yet) in this tier and namespace.
+    #[error("block {key} is not in the host tier")]
+    NotFound {
+        /// The key.
+        key: BlockKey,
+    },
+    /// No page could be allocated: every page is pinned, being written, or holds a prefix of
+    /// another resident block.
+    #[error(
+        "host tier full: none of its {capacity_pages} pages can be evicted (pinned, being written, or a prefix of a resident block)"
+    )]
+    NoSpace {
+        /// Pages in the tier.
+        capacity_pages: u32,
+    },
+}
+
+impl StoreError {
+    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: io::Error) -> Self {
+        StoreError::Io {
+            op,
+            path: path.into(),
+            source,
+        }
+    }
+}

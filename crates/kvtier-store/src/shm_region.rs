@@ -1,0 +1,428 @@
+//! Shared-memory regions: the one module that owns raw pointers into mapped memory.
+//!
+//! A [`ShmRegion`] is a `MAP_SHARED` mapping of a file under `/dev/shm` (or any path) or of an
+//! anonymous memfd. Every access goes through a bounds-checked method; nothing outside this
+//! module sees a pointer. Several processes may map the same file: who may write which bytes
+//! when is a protocol above this module (slot ownership, page pins), exactly as for memory
+//! shared with a GPU.
+
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::FromRawFd;
+use std::path::{Path, PathBuf};
+
+use memmap2::{MmapOptions, MmapRaw};
+
+use crate::StoreError;
+
+/// How the pages of a new mapping are made resident before first use.
+///
+/// On virtual machines memory touched for the first time costs about ten times more than memory
+/// already resident, so kvtier touches its arenas and pools once at start-up and never hands
+/// them back: a transfer must never pay the first-touch cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Prefault {
+    /// Map with `MAP_POPULATE` and write every page once (the default for memory kvtier owns).
+    #[default]
+    Touch,
+    /// Map with `MAP_POPULATE` only: page tables are filled, contents are not written (for
+    /// memory another process owns).
+    Populate,
+    /// Leave pages to be faulted in on first use (tests with large, mostly unused regions).
+    Lazy,
+}
+
+/// A shared, writable memory mapping with bounds-checked byte access.
+///
+/// Cost: creating one allocates and (by default) touches `len` bytes; accessors copy exactly the
+/// bytes asked for.
+#[derive(Debug)]
+pub struct ShmRegion {
+    map: MmapRaw,
+    len: usize,
+    name: String,
+    path: Option<PathBuf>,
+    remove_on_drop: bool,
+}
+
+// SAFETY: the mapping is plain shared memory; all access is through raw copies whose
+// concurrency contract is documented on the type (writers of a range are serialized by the
+// caller's protocol). MmapRaw itself is Send + Sync.
+unsafe impl Send for ShmRegion {}
+// SAFETY: see above.
+unsafe impl Sync for ShmRegion {}
+
+impl ShmRegion {
+    /// Creates a new file of `len` bytes at `path` (which must not exist) and maps it. The file
+    /// is removed when the region is dropped, unless [`ShmRegion::keep_file`] is called.
+    ///
+    /// # Errors
+    /// [`StoreError::AlreadyExists`] if `path` exists; [`StoreError::Io`] naming the path if it
+    /// cannot be created, sized or mapped.
+    pub fn create_file(path: &Path, len: usize, prefault: Prefault) -> Result<Self, StoreError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .map_err(|e| match e.kind() {
+                io::ErrorKind::AlreadyExists => StoreError::AlreadyExists {
+                    path: path.to_owned(),
+                },
+                _ => StoreError::io("create", path, e),
+            })?;
+        let result = Self::size_and_map(&file, len, path.display().to_string(), prefault);
+        match result {
+            Ok(mut region) => {
+                region.path = Some(path.to_owned());
+                region.remove_on_drop = true;
+                Ok(region)
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(path);
+                Err(e)
+            }
+        }
+    }
+
+    /// Creates an anonymous region of `len` bytes backed by a memfd named `name` (visible in
+    /// `/proc/<pid>/maps`); it disappears with the process.
+    ///
+    /// # Errors
+    /// [`StoreError::Io`] if the memfd cannot be created, sized or mapped.
+    pub fn create_anonymous(name: &str, len: usize, prefault: Prefault) -> Result<Self, StoreError> {
+        let label = format!("<memfd:{name}>");
+        let cname = CString::new(name.replace('\0', "_")).unwrap_or_default();
+        // SAFETY: memfd_create takes a NUL-terminated string and flags; it returns a new fd or -1.
+        let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(StoreError::io("memfd_create", &label, io::Error::last_os_error()));
+        }
+        // SAFETY: fd is a freshly created descriptor owned by nobody else.
+        let file = unsafe { File::from_raw_fd(fd) };
+        Self::size_and_map(&file, len, label, prefault)
+    }
+
+    /// Maps an existing file, which must be exactly `expected_len` bytes. The file is left in
+    /// place on drop (its creator owns it).
+    ///
+    /// # Errors
+    /// [`StoreError::FileNotFound`], [`StoreError::WrongSize`], or [`StoreError::Io`] naming
+    /// the path.
+    pub fn open_file(path: &Path, expected_len: usize, prefault: Prefault) -> Result<Self, StoreError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| match e.kind() {
+                io::ErrorKind::NotFound => StoreError::FileNotFound {
+                    path: path.to_owned(),
+                },
+                _ => StoreError::io("open", path, e),
+            })?;
+        let actual = file
+            .metadata()
+            .map_err(|e| StoreError::io("stat", path, e))?
+            .len();
+        if actual != expected_len as u64 {
+            return Err(StoreError::WrongSize {
+                path: path.to_owned(),
+                expected_bytes: expected_len as u64,
+                actual_bytes: actual,
+            });
+        }
+        let mut region = Self::map(&file, expected_len, path.display().to_string(), prefault)?;
+        region.path = Some(path.to_owned());
+        Ok(region)
+    }
+
+    fn size_and_map(file: &File, len: usize, name: String, prefault: Prefault) -> Result<Self, StoreError> {
+        if len == 0 {
+            return Err(StoreError::OutOfBounds {
+                region: name,
+                offset: 0,
+                len: 0,
+                region_bytes: 0,
+            });
+        }
+        file.set_len(len as u64)
+            .map_err(|e| StoreError::io("ftruncate", &name, e))?;
+        let region = Self::map(file, len, name, prefault)?;
+        if prefault == Prefault::Touch {
+            region.touch_pages();
+        }
+        Ok(region)
+    }
+
+    fn map(file: &File, len: usize, name: String, prefault: Prefault) -> Result<Self, StoreError> {
+        let mut opts = MmapOptions::new();
+        opts.len(len);
+        if prefault != Prefault::Lazy {
+            opts.populate();
+        }
+        let map = opts.map_raw(file).map_err(|e| StoreError::io("mmap", &name, e))?;
+        Ok(Self {
+            map,
+            len,
+            name,
+            path: None,
+            remove_on_drop: false,
+        })
+    }
+
+    /// Writes one zero byte into every 4 KiB page so the whole region is resident and writable.
+    fn touch_pages(&self) {
+        let base = self.map.as_mut_ptr();
+        let mut off = 0;
+        while off < self.len {
+            // SAFETY: off < len, inside the mapping; the region was just created and is not yet
+            // shared with anyone, and a zero byte is what a fresh file already holds.
+            unsafe { base.add(off).write_volatile(0) };
+            off += 4096;
+        }
+    }
+
+    /// Keeps the backing file after drop (for a pool another process will keep using).
+    pub fn keep_file(&mut self) {
+        self.remove_on_drop = false;
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: a region has at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The backing file, or `None` for anonymous memory.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// Path or memfd label, for messages.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Checks that `offset..offset+len` lies inside the region.
+    ///
+    /// # Errors
+    /// [`StoreError::OutOfBounds`] naming the region and range.
+    pub fn check_range(&self, offset: usize, len: usize) -> Result<(), StoreError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(StoreError::OutOfBounds {
+                region: self.name.clone(),
+                offset,
+                len,
+                region_bytes: self.len,
+            }),
+        }
+    }
+
+    /// Copies `src` into the region at `offset`.
+    ///
+    /// # Errors
+    /// [`StoreError::OutOfBounds`] if the range does not fit.
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), StoreError> {
+        self.check_range(offset, src.len())?;
+        // SAFETY: the range is inside the mapping (checked above) and cannot overlap `src`, which
+        // is a Rust slice the caller borrows from elsewhere.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(offset), src.len());
+        }
+        Ok(())
+    }
+
+    /// Copies bytes at `offset` out into `dst`.
+    ///
+    /// # Errors
+    /// [`StoreError::OutOfBounds`] if the range does not fit.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), StoreError> {
+        self.check_range(offset, dst.len())?;
+        // SAFETY: the range is inside the mapping (checked above); `dst` is an exclusive Rust
+        // borrow, so it cannot overlap the mapping's bytes being read.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.map.as_ptr().add(offset), dst.as_mut_ptr(), dst.len());
+        }
+        Ok(())
+    }
+
+    /// Copies `src` into the range `(offset, len)`, which it must fill exactly (one
+    /// block-layer, say).
+    ///
+    /// # Errors
+    /// [`StoreError::BufferSize`] if `src` is not `len` bytes; [`StoreError::OutOfBounds`].
+    pub fn write_range(&self, (offset, len): (usize, usize), src: &[u8]) -> Result<(), StoreError> {
+        check_len(len, src.len())?;
+        self.write(offset, src)
+    }
+
+    /// Copies the range `(offset, len)` into `dst`, which it must fill exactly.
+    ///
+    /// # Errors
+    /// [`StoreError::BufferSize`] if `dst` is not `len` bytes; [`StoreError::OutOfBounds`].
+    pub fn read_range(&self, (offset, len): (usize, usize), dst: &mut [u8]) -> Result<(), StoreError> {
+        check_len(len, dst.len())?;
+        self.read(offset, dst)
+    }
+
+    /// Sets `len` bytes at `offset` to `byte`.
+    ///
+    /// # Errors
+    /// [`StoreError::OutOfBounds`] if the range does not fit.
+    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<(), StoreError> {
+        self.check_range(offset, len)?;
+        // SAFETY: the range is inside the mapping (checked above).
+        unsafe { std::ptr::write_bytes(self.map.as_mut_ptr().add(offset), byte, len) };
+        Ok(())
+    }
+
+    /// Runs `f` over a read-only view of `len` bytes at `offset` (hashing, verification). The
+    /// bytes must not be written concurrently for the view to be meaningful.
+    ///
+    /// # Errors
+    /// [`StoreError::OutOfBounds`] if the range does not fit.
+    pub fn with_bytes<R>(
+        &self,
+        offset: usize,
+        len: usize,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, StoreError> {
+        self.check_range(offset, len)?;
+        // SAFETY: the range is inside the mapping (checked above) and the mapping outlives the
+        // borrow, which does not escape `f`. Concurrent writers are excluded by the caller's
+        // protocol (documented above).
+        let view = unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(offset), len) };
+        Ok(f(view))
+    }
+
+    /// `xxh3_64` of `len` bytes at `offset`, for bit-exact verification without a copy.
+    ///
+    /// # Errors
+    /// [`StoreError::OutOfBounds`] if the range does not fit.
+    pub fn xxh3_64(&self, offset: usize, len: usize) -> Result<u64, StoreError> {
+        self.with_bytes(offset, len, xxhash_rust::xxh3::xxh3_64)
+    }
+
+    /// Copies `len` bytes from `src` at `src_offset` to `dst` at `dst_offset`: the one copy every
+    /// transfer between a host page and a CPU device slot makes.
+    ///
+    /// # Errors
+    /// [`StoreError::OutOfBounds`] if either range does not fit, or if `src` and `dst` are the
+    /// same region and the ranges overlap.
+    pub fn copy(
+        src: &ShmRegion,
+        src_offset: usize,
+        dst: &ShmRegion,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), StoreError> {
+        src.check_range(src_offset, len)?;
+        dst.check_range(dst_offset, len)?;
+        if std::ptr::eq(src, dst) && src_offset < dst_offset + len && dst_offset < src_offset + len {
+            return Err(StoreError::OutOfBounds {
+                region: src.name.clone(),
+                offset: dst_offset,
+                len,
+                region_bytes: src.len,
+            });
+        }
+        // SAFETY: both ranges are inside their mappings (checked above) and do not overlap
+        // (different mappings of distinct memory, or disjoint ranges of one mapping). Two
+        // mappings of the same file at overlapping ranges are excluded by the pool/arena
+        // ownership protocol.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.map.as_ptr().add(src_offset),
+                dst.map.as_mut_ptr().add(dst_offset),
+                len,
+            );
+        }
+        Ok(())
+    }
+}
+
+fn check_len(expected_bytes: usize, actual_bytes: usize) -> Result<(), StoreError> {
+    if expected_bytes != actual_bytes {
+        return Err(StoreError::BufferSize {
+            expected_bytes,
+            actual_bytes,
+        });
+    }
+    Ok(())
+}
+
+impl Drop for ShmRegion {
+    fn drop(&mut self) {
+        if self.remove_on_drop
+            && let Some(p) = &self.path
+        {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn anonymous_round_trip_and_bounds() {
+        let r = ShmRegion::create_anonymous("t", 10_000, Prefault::Touch).unwrap();
+        r.write(100, b"hello").unwrap();
+        let mut out = [0u8; 5];
+        r.read(100, &mut out).unwrap();
+        assert_eq!(&out, b"hello");
+        assert!(matches!(
+            r.write(9_998, b"abc"),
+            Err(StoreError::OutOfBounds {
+                offset: 9_998,
+                len: 3,
+                region_bytes: 10_000,
+                ..
+            })
+        ));
+        assert!(r.read(usize::MAX, &mut out).is_err());
+        assert!(ShmRegion::create_anonymous("z", 0, Prefault::Lazy).is_err());
+    }
+
+    #[test]
+    fn file_is_shared_between_mappings_and_checked_on_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool");
+        let a = ShmRegion::create_file(&path, 8192, Prefault::Touch).unwrap();
+        assert!(matches!(
+            ShmRegion::create_file(&path, 8192, Prefault::Lazy),
+            Err(StoreError::AlreadyExists { .. })
+        ));
+        let b = ShmRegion::open_file(&path, 8192, Prefault::Populate).unwrap();
+        a.write(4000, &[7u8; 200]).unwrap();
+        assert_eq!(
+            b.xxh3_64(4000, 200).unwrap(),
+            xxhash_rust::xxh3::xxh3_64(&[7u8; 200])
+        );
+        ShmRegion::copy(&b, 4000, &a, 0, 200).unwrap();
+        assert_eq!(a.xxh3_64(0, 200).unwrap(), b.xxh3_64(4000, 200).unwrap());
+        assert!(ShmRegion::copy(&a, 0, &a, 100, 200).is_err(), "overlap refused");
+        assert!(matches!(
+            ShmRegion::open_file(&path, 4096, Prefault::Lazy),
+            Err(StoreError::WrongSize {
+                expected_bytes: 4096,
+                actual_bytes: 8192,
+                ..
+            })
+        ));
+        assert!(matches!(
+            ShmRegion::open_file(&dir.path().join("nope"), 4096, Prefault::Lazy),
+            Err(StoreError::FileNotFound { .. })
+        ));
+        drop(b);
+        drop(a);
+        assert!(!path.exists(), "the creator removes its file");
+    }
+}

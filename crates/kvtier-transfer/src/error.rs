@@ -1,0 +1,90 @@
+//! Errors of kvtier-transfer.
+
+use std::path::PathBuf;
+
+use kvtier_core::{CoreError, KvGeometry};
+use kvtier_store::StoreError;
+
+/// Why a pool operation or a transfer request failed. Every variant names the offending value.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransferError {
+    /// A storage-layer error (mapping, bounds, host tier).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// An invalid geometry or namespace.
+    #[error(transparent)]
+    Core(#[from] CoreError),
+    /// A device slot index at or past the pool's slot count.
+    #[error("device slot {slot} out of range: the pool has {num_slots} slots")]
+    SlotOutOfRange {
+        /// Slot asked for.
+        slot: u32,
+        /// Slots in the pool.
+        num_slots: u32,
+    },
+    /// The same device slot appears twice in one request.
+    #[error("device slot {slot} appears twice in one request")]
+    DuplicateSlot {
+        /// The repeated slot.
+        slot: u32,
+    },
+    /// A pool or tier whose geometry is not the one expected.
+    #[error("KV geometry mismatch: expected {expected}, found {actual}")]
+    GeometryMismatch {
+        /// What the caller said.
+        expected: KvGeometry,
+        /// What the pool or tier has.
+        actual: KvGeometry,
+    },
+    /// A file that is not a kvtier device pool, or whose header is damaged.
+    #[error("{path} is not a kvtier device pool: {reason}")]
+    NotAPool {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with its header.
+        reason: String,
+    },
+    /// A pool file made for another number of slots.
+    #[error("{path} holds {actual} slots, expected {expected}")]
+    SlotCountMismatch {
+        /// The file.
+        path: PathBuf,
+        /// Slots the caller said.
+        expected: u32,
+        /// Slots in the header.
+        actual: u32,
+    },
+    /// A pool of zero slots.
+    #[error("a device pool needs at least one slot")]
+    NoSlots,
+    /// A request with no blocks.
+    #[error("empty {queue} request: give at least one block")]
+    EmptyRequest {
+        /// `load` or `store`.
+        queue: &'static str,
+    },
+    /// Admission refused: the queue's bytes in flight would exceed its bound.
+    #[error(
+        "{queue} queue full: {inflight_bytes} bytes in flight + {request_bytes} requested exceeds the {limit_bytes}-byte bound"
+    )]
+    QueueFull {
+        /// `load` or `store`.
+        queue: &'static str,
+        /// Bytes already in flight.
+        inflight_bytes: u64,
+        /// Bytes this request needs.
+        request_bytes: u64,
+        /// The bound.
+        limit_bytes: u64,
+    },
+    /// The requester abandoned the transfer before it finished; nothing was published.
+    #[error("transfer cancelled by its requester")]
+    Cancelled,
+    /// Worker threads could not be started.
+    #[error("cannot start transfer worker threads: {0}")]
+    Spawn(#[source] std::io::Error),
+    /// The queue was shut down before the transfer finished.
+    #[error("transfer queue shut down before the transfer finished")]
+    ShutDown,
+}

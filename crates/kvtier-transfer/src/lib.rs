@@ -1,0 +1,28 @@
+//! kvtier-transfer: moving KV blocks between an engine's device pool and the host tier.
+//!
+//! - [`DevicePool`]: the engine's paged KV memory; [`CpuDevicePool`] is the shared-memory one
+//!   (layout per layer `[slot][K|V][token][head][dim]`), created by the engine and opened by
+//!   the sidecar by path.
+//! - [`TransferQueues`]: the full-duplex pair — [`LoadQueue`] (host → device, layer by layer,
+//!   with an event per finished layer) and [`StoreQueue`] (device → host, bounded, dropping
+//!   with a counted reason rather than stalling loads) — each on its own OS threads, each
+//!   request split into chunks several threads copy at once, each copy timed
+//!   ([`TransferTiming`]).
+#![warn(missing_docs)]
+
+mod device_pool;
+mod error;
+mod load_queue;
+mod store_queue;
+mod transfer_job;
+mod transfer_queues;
+mod transfer_timing;
+mod worker_pool;
+
+pub use device_pool::{CpuDevicePool, DevicePool, POOL_HEADER_BYTES};
+pub use error::TransferError;
+pub use load_queue::{LoadBlock, LoadEvent, LoadQueue, LoadReport, LoadTicket};
+pub use store_queue::{StoreBlock, StoreQueue, StoreReport, StoreTicket};
+pub use transfer_job::QueueStats;
+pub use transfer_queues::{TransferConfig, TransferQueues};
+pub use transfer_timing::TransferTiming;

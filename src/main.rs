@@ -1,0 +1,240 @@
+//! The `kvtier` command line: benchmarks and tools for kvtier's tiered KV-cache offload.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use kvtier_bench::{OffloadConfig, ProgressBar, run_offload};
+use kvtier_core::{BlockHasher, ByteSize, Dtype, KvGeometry, Namespace};
+use kvtier_store::EvictionKind;
+use kvtier_transfer::TransferConfig;
+
+/// kvtier keeps the KV cache of prompt prefixes an LLM engine has already computed, in device
+/// memory, host memory and on disk, and moves it between tiers with full-duplex load/store
+/// queues, so a prefix hit costs a copy instead of a prefill.
+#[derive(Debug, Parser)]
+#[command(name = "kvtier", version, about, long_about)]
+struct Cli {
+    /// Log filter, e.g. `info` or `warn,kvtier_store=debug` (also KVTIER_LOG).
+    #[arg(long, global = true, env = "KVTIER_LOG", default_value = "warn")]
+    log: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a benchmark (`kvtier bench offload --help`).
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Print the namespace fingerprint and chained block keys of a token sequence, as every
+    /// kvtier client must compute them.
+    Keys(KeysArgs),
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// The seed-003 offload microbenchmark: per request, load its hit blocks into device slots
+    /// and store its new blocks, at the same time, through the real duplex queues; print the
+    /// seed's lines (load_span_ms … batch_duplex_bw_gib_s), a plain-memcpy baseline from the
+    /// same run, the ratio to it, and a bit-exact check of every block moved.
+    Offload(OffloadArgs),
+}
+
+/// KV geometry flags shared by several commands.
+#[derive(Debug, Args)]
+struct GeometryArgs {
+    /// Layers whose KV is stored (the seed experiment kept 1 of Qwen3-30B-A3B's 48).
+    #[arg(long, default_value_t = 1)]
+    layers: u32,
+    /// KV heads (per tensor-parallel rank).
+    #[arg(long, default_value_t = 4)]
+    kv_heads: u32,
+    /// Head dimension.
+    #[arg(long, default_value_t = 128)]
+    head_dim: u32,
+    /// KV element type: f32, f16, bf16, fp8_e4m3, fp8_e5m2.
+    #[arg(long, default_value = "bf16")]
+    dtype: Dtype,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 64)]
+    block_tokens: u32,
+}
+
+#[derive(Debug, Args)]
+struct OffloadArgs {
+    #[command(flatten)]
+    geometry: GeometryArgs,
+    /// Tokens per request (only full blocks move).
+    #[arg(long, default_value_t = 10_000)]
+    tokens: usize,
+    /// Fraction of each request's blocks already in the host tier (loaded); the rest are new
+    /// (stored).
+    #[arg(long, default_value_t = 0.9)]
+    hit_rate: f64,
+    /// Requests per batch.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// Measured batches.
+    #[arg(long, default_value_t = 100)]
+    rounds: usize,
+    /// Unmeasured batches before them.
+    #[arg(long, default_value_t = 3)]
+    warmup_rounds: usize,
+    /// Host tier size, e.g. 2GiB (default: the hit blocks plus four batches of new blocks).
+    #[arg(long)]
+    host_capacity: Option<ByteSize>,
+    /// Host tier eviction policy: s3fifo or lru.
+    #[arg(long, default_value = "s3fifo")]
+    eviction: EvictionKind,
+    /// Load worker threads (0 = one per CPU).
+    #[arg(long, default_value_t = 0)]
+    load_threads: usize,
+    /// Store worker threads (0 = half the CPUs, at least one).
+    #[arg(long, default_value_t = 0)]
+    store_threads: usize,
+    /// Bytes one worker copies per claim.
+    #[arg(long, default_value = "1MiB")]
+    chunk_bytes: ByteSize,
+    /// Scheduling niceness of store workers (positive lets loads win the CPU).
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    store_nice: i32,
+    /// Print one JSON object with the configuration and every figure instead of the lines.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+struct KeysArgs {
+    /// Model id (whatever changes when the KV would change).
+    #[arg(long)]
+    model_id: String,
+    #[command(flatten)]
+    geometry: GeometryArgs,
+    /// Tensor-parallel rank.
+    #[arg(long, default_value_t = 0)]
+    tp_rank: u32,
+    /// Tensor-parallel size.
+    #[arg(long, default_value_t = 1)]
+    tp_size: u32,
+    /// Tenant salt.
+    #[arg(long, default_value = "")]
+    cache_salt: String,
+    /// Token ids, comma separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    tokens: Vec<u32>,
+}
+
+impl GeometryArgs {
+    fn geometry(&self) -> Result<KvGeometry> {
+        Ok(KvGeometry::new(
+            self.layers,
+            self.kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.block_tokens,
+        )?)
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(&cli.log);
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvtier: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(filter: &str) {
+    let targets: tracing_subscriber::filter::Targets = filter.parse().unwrap_or_else(|e| {
+        eprintln!("kvtier: ignoring log filter {filter:?}: {e}");
+        tracing_subscriber::filter::Targets::new().with_default(tracing::Level::WARN)
+    });
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    tracing_subscriber::registry()
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(targets)
+        .init();
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Bench(BenchCommand::Offload(a)) => bench_offload(a),
+        Command::Keys(a) => keys(a),
+    }
+}
+
+fn bench_offload(a: OffloadArgs) -> Result<()> {
+    let g = &a.geometry;
+    let config = OffloadConfig {
+        layers: g.layers,
+        kv_heads: g.kv_heads,
+        head_dim: g.head_dim,
+        dtype: g.dtype,
+        block_tokens: g.block_tokens,
+        tokens: a.tokens,
+        hit_rate: a.hit_rate,
+        batch: a.batch,
+        rounds: a.rounds,
+        warmup_rounds: a.warmup_rounds,
+        host_capacity: a.host_capacity,
+        eviction: a.eviction,
+        transfer: TransferConfig {
+            load_threads: a.load_threads,
+            store_threads: a.store_threads,
+            chunk_bytes: a.chunk_bytes,
+            store_nice: a.store_nice,
+            ..TransferConfig::default()
+        },
+    };
+    eprintln!(
+        "kvtier bench offload: {} | {} tokens/request, hit {:.0}%, batch {}, {} rounds (+{} warm-up), threads load={} store={}",
+        g.geometry()?,
+        a.tokens,
+        a.hit_rate * 100.0,
+        a.batch,
+        a.rounds,
+        a.warmup_rounds,
+        config.transfer.resolved_load_threads(),
+        config.transfer.resolved_store_threads(),
+    );
+    let mut bar = ProgressBar::new("offload", (a.rounds + a.warmup_rounds) as u64);
+    let report = run_offload(&config, &mut |done, _| bar.update(done as u64));
+    bar.finish();
+    let report = report.context("bench offload")?;
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        serde_json::to_writer(&mut out, &report)?;
+        writeln!(out)?;
+    } else {
+        for line in report.lines() {
+            writeln!(out, "{line}")?;
+        }
+    }
+    Ok(())
+}
+
+fn keys(a: KeysArgs) -> Result<()> {
+    let geometry = a.geometry.geometry()?;
+    let ns = Namespace::new(a.model_id, geometry, a.tp_rank, a.tp_size, a.cache_salt)?;
+    let fp = ns.fingerprint();
+    let keys = BlockHasher::new(fp, geometry.block_tokens()).keys(&a.tokens);
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "fingerprint={fp}")?;
+    for (i, k) in keys.iter().enumerate() {
+        writeln!(out, "key[{i}]={k}")?;
+    }
+    if a.tokens.len() % geometry.block_tokens() as usize != 0 {
+        eprintln!(
+            "kvtier keys: {} trailing tokens do not fill a block and have no key",
+            a.tokens.len() % geometry.block_tokens() as usize
+        );
+    }
+    Ok(())
+}
