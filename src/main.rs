@@ -1,13 +1,14 @@
 //! The `kvtier` command line: benchmarks and tools for kvtier's tiered KV-cache offload.
 
 use std::io::Write;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use kvtier_bench::{OffloadConfig, ProgressBar, run_offload};
+use kvtier_bench::{BenchTier, OffloadConfig, ProgressBar, RecoveryConfig, run_offload, run_recovery};
 use kvtier_core::{BlockHasher, ByteSize, Dtype, KvGeometry, Namespace};
-use kvtier_store::EvictionKind;
+use kvtier_store::{DirectIo, EvictionKind};
 use kvtier_transfer::TransferConfig;
 
 /// kvtier keeps the KV cache of prompt prefixes an LLM engine has already computed, in device
@@ -40,6 +41,36 @@ enum BenchCommand {
     /// seed's lines (load_span_ms … batch_duplex_bw_gib_s), a plain-memcpy baseline from the
     /// same run, the ratio to it, and a bit-exact check of every block moved.
     Offload(OffloadArgs),
+    /// Fill a disk tier, drop it, and time reopening it (the index rebuilt from region index
+    /// files, or with --scan also from every header and payload).
+    Recovery(RecoveryArgs),
+}
+
+#[derive(Debug, Args)]
+struct RecoveryArgs {
+    #[command(flatten)]
+    geometry: GeometryArgs,
+    /// Bytes of blocks to write before reopening.
+    #[arg(long, default_value = "1GiB")]
+    bytes: ByteSize,
+    /// Directory whose disk to use (a fresh subdirectory is made in it and removed).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Region file size.
+    #[arg(long, default_value = "256MiB")]
+    region_size: ByteSize,
+    /// Writer threads while filling.
+    #[arg(long, default_value_t = 2)]
+    writers: usize,
+    /// Also time a reopen with every region index removed (a full scan).
+    #[arg(long)]
+    scan: bool,
+    /// Page-cache bypass: auto, on or off.
+    #[arg(long, default_value = "auto")]
+    direct_io: DirectIo,
+    /// Print one JSON object instead of the lines.
+    #[arg(long)]
+    json: bool,
 }
 
 /// KV geometry flags shared by several commands.
@@ -76,9 +107,9 @@ struct OffloadArgs {
     /// Requests per batch.
     #[arg(long, default_value_t = 16)]
     batch: usize,
-    /// Measured batches.
-    #[arg(long, default_value_t = 100)]
-    rounds: usize,
+    /// Measured batches (default: 100 with --tier host, 20 with --tier disk).
+    #[arg(long)]
+    rounds: Option<usize>,
     /// Unmeasured batches before them.
     #[arg(long, default_value_t = 3)]
     warmup_rounds: usize,
@@ -100,6 +131,18 @@ struct OffloadArgs {
     /// Scheduling niceness of store workers (positive lets loads win the CPU).
     #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     store_nice: i32,
+    /// Where the hit blocks are: `host` (loads host → device) or `disk` (host tier emptied
+    /// before every batch: loads disk → host → device, stores device → host → disk).
+    #[arg(long, default_value = "host")]
+    tier: BenchTier,
+    /// With --tier disk: the directory whose disk to measure (a fresh subdirectory is made in
+    /// it and removed afterwards; default: the system's temporary directory).
+    #[arg(long)]
+    disk_dir: Option<PathBuf>,
+    /// With --tier disk: page-cache bypass, auto (O_DIRECT if the file system allows it), on
+    /// or off.
+    #[arg(long, default_value = "auto")]
+    direct_io: DirectIo,
     /// Print one JSON object with the configuration and every figure instead of the lines.
     #[arg(long)]
     json: bool,
@@ -166,12 +209,17 @@ fn init_logging(filter: &str) {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Bench(BenchCommand::Offload(a)) => bench_offload(a),
+        Command::Bench(BenchCommand::Recovery(a)) => bench_recovery(a),
         Command::Keys(a) => keys(a),
     }
 }
 
 fn bench_offload(a: OffloadArgs) -> Result<()> {
     let g = &a.geometry;
+    let rounds = a.rounds.unwrap_or(match a.tier {
+        BenchTier::Host => 100,
+        BenchTier::Disk => 20,
+    });
     let config = OffloadConfig {
         layers: g.layers,
         kv_heads: g.kv_heads,
@@ -181,10 +229,13 @@ fn bench_offload(a: OffloadArgs) -> Result<()> {
         tokens: a.tokens,
         hit_rate: a.hit_rate,
         batch: a.batch,
-        rounds: a.rounds,
+        rounds,
         warmup_rounds: a.warmup_rounds,
         host_capacity: a.host_capacity,
         eviction: a.eviction,
+        tier: a.tier,
+        disk_dir: a.disk_dir.clone(),
+        direct_io: a.direct_io,
         transfer: TransferConfig {
             load_threads: a.load_threads,
             store_threads: a.store_threads,
@@ -194,26 +245,58 @@ fn bench_offload(a: OffloadArgs) -> Result<()> {
         },
     };
     eprintln!(
-        "kvtier bench offload: {} | {} tokens/request, hit {:.0}%, batch {}, {} rounds (+{} warm-up), threads load={} store={}",
+        "kvtier bench offload: tier {:?} | {} | {} tokens/request, hit {:.0}%, batch {}, {} rounds (+{} warm-up), threads load={} store={}",
+        a.tier,
         g.geometry()?,
         a.tokens,
         a.hit_rate * 100.0,
         a.batch,
-        a.rounds,
+        rounds,
         a.warmup_rounds,
         config.transfer.resolved_load_threads(),
         config.transfer.resolved_store_threads(),
     );
-    let mut bar = ProgressBar::new("offload", (a.rounds + a.warmup_rounds) as u64);
+    let mut bar = ProgressBar::new("offload", (rounds + a.warmup_rounds) as u64);
     let report = run_offload(&config, &mut |done, _| bar.update(done as u64));
     bar.finish();
-    let report = report.context("bench offload")?;
+    print_report(&report.context("bench offload")?, a.json, |r| r.lines())
+}
+
+fn bench_recovery(a: RecoveryArgs) -> Result<()> {
+    let config = RecoveryConfig {
+        geometry: a.geometry.geometry()?,
+        bytes: a.bytes,
+        dir: a.dir,
+        region_size: a.region_size,
+        writers: a.writers,
+        scan: a.scan,
+        direct_io: a.direct_io,
+    };
+    eprintln!(
+        "kvtier bench recovery: {} | {} of blocks",
+        config.geometry, config.bytes
+    );
+    let mut bar = ProgressBar::new("fill", 1);
+    let report = run_recovery(&config, &mut |done, total| {
+        bar.set_total(total);
+        bar.update(done);
+    });
+    bar.finish();
+    print_report(&report.context("bench recovery")?, a.json, |r| r.lines())
+}
+
+/// Prints a report as its lines, or as one JSON object.
+fn print_report<R: serde::Serialize>(
+    report: &R,
+    json: bool,
+    lines: impl Fn(&R) -> Vec<String>,
+) -> Result<()> {
     let mut out = std::io::stdout().lock();
-    if a.json {
-        serde_json::to_writer(&mut out, &report)?;
+    if json {
+        serde_json::to_writer(&mut out, report)?;
         writeln!(out)?;
     } else {
-        for line in report.lines() {
+        for line in lines(report) {
             writeln!(out, "{line}")?;
         }
     }

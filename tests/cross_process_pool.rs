@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 use kvtier_core::{BlockHasher, BlockKey, ByteSize, Dtype, KvGeometry, Namespace};
-use kvtier_store::{HostTier, HostTierConfig};
+use kvtier_store::{HostTier, HostTierConfig, TieredStore};
 use kvtier_transfer::{CpuDevicePool, DevicePool, LoadBlock, StoreBlock, TransferConfig, TransferQueues};
 
 const ROLE: &str = "KVTIER_TEST_ENGINE_POOL";
@@ -114,6 +114,7 @@ fn a_pool_created_by_another_process_round_trips_bit_exact() {
         },
     )
     .unwrap();
+    let store = TieredStore::host_only(host.clone());
     let queues = TransferQueues::new(&TransferConfig::default()).unwrap();
     let ns = Namespace::single("cross-process", g).unwrap().fingerprint();
     let tokens: Vec<u32> = (0..BLOCKS * 16).collect();
@@ -129,7 +130,7 @@ fn a_pool_created_by_another_process_round_trips_bit_exact() {
         .collect();
     let report = queues
         .store
-        .submit(&pool, &host, ns, &stores)
+        .submit(&pool, &store, ns, &stores)
         .unwrap()
         .wait()
         .unwrap();
@@ -145,7 +146,7 @@ fn a_pool_created_by_another_process_round_trips_bit_exact() {
         .collect();
     let report = queues
         .load
-        .submit(&pool, &host, ns, &loads)
+        .submit(&pool, &store, ns, &loads)
         .unwrap()
         .wait()
         .unwrap();

@@ -1,14 +1,18 @@
 //! kvtier-bench: the benchmarks users size their tiers with.
 //!
 //! - [`run_offload`]: the seed-003 offload microbenchmark behind `kvtier bench offload`.
+//! - [`run_recovery`]: disk tier reopen time, behind `kvtier bench recovery`.
 #![warn(missing_docs)]
 
+mod baselines;
 mod error;
 mod offload;
 mod progress;
+mod recovery;
 mod summary;
 
 pub use error::BenchError;
-pub use offload::{OffloadConfig, OffloadReport, run_offload};
+pub use offload::{BenchTier, DiskFigures, OffloadConfig, OffloadReport, run_offload};
 pub use progress::ProgressBar;
+pub use recovery::{RecoveryConfig, RecoveryReport, run_recovery};
 pub use summary::Summary;

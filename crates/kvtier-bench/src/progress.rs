@@ -25,6 +25,11 @@ impl ProgressBar {
         }
     }
 
+    /// Changes the number of steps.
+    pub fn set_total(&mut self, total: u64) {
+        self.total = total.max(1);
+    }
+
     /// Shows `done` of `total` steps.
     pub fn update(&mut self, done: u64) {
         if !self.enabled {

@@ -5,17 +5,20 @@
 //! - [`Namespace`] and its [`NamespaceFingerprint`]: which blocks may ever match each other.
 //! - [`BlockKey`] and [`BlockHasher`]: the 128-bit chained prefix hash that addresses a block
 //!   everywhere (see `docs/block-keys.md` and the published vectors in `vectors/`).
+//! - [`xxh3_64`]: the checksum of stored bytes.
 //! - [`ByteSize`]: human byte sizes (`512MiB`, `2GiB`) for configuration and flags.
 #![warn(missing_docs)]
 
 mod block_key;
 mod byte_size;
+mod checksum;
 mod error;
 mod geometry;
 mod namespace;
 
 pub use block_key::{BlockHasher, BlockKey};
 pub use byte_size::ByteSize;
+pub use checksum::xxh3_64;
 pub use error::CoreError;
 pub use geometry::{Dtype, KvGeometry};
 pub use namespace::{Namespace, NamespaceFingerprint};

@@ -3,7 +3,7 @@
 use std::io;
 use std::path::PathBuf;
 
-use kvtier_core::{BlockKey, CoreError};
+use kvtier_core::{BlockKey, CoreError, KvGeometry};
 
 /// Why a kvtier-store operation failed. Every variant names the offending value.
 #[derive(Debug, thiserror::Error)]
@@ -93,10 +93,61 @@ pub enum StoreError {
         actual_bytes: usize,
     },
     /// A key that is not stored (or not readable yet) in this tier and namespace.
-    #[error("block {key} is not in the host tier")]
+    #[error("block {key} is not in the {tier} tier")]
     NotFound {
         /// The key.
         key: BlockKey,
+        /// `host` or `disk`.
+        tier: &'static str,
+    },
+    /// A stored block failed verification (checksum, key, namespace or length): it was dropped
+    /// from the index and counted; the caller sees a miss, never wrong KV.
+    #[error("block {key} in {path} is corrupt ({reason}); dropped")]
+    CorruptBlock {
+        /// The key.
+        key: BlockKey,
+        /// The region file.
+        path: PathBuf,
+        /// What did not match.
+        reason: String,
+    },
+    /// The disk tier's directory is missing, not a directory, or unusable.
+    #[error("disk tier directory {path}: {reason}")]
+    DiskDir {
+        /// The directory.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Another process holds the disk tier's directory.
+    #[error(
+        "disk tier directory {path} is in use by another kvtier process ({holder}); stop it or choose another directory"
+    )]
+    DirLocked {
+        /// The directory.
+        path: PathBuf,
+        /// Who holds the lock (pid from the lock file).
+        holder: String,
+    },
+    /// The file system is full (or a file size limit was hit): the block was not written.
+    #[error("disk full writing {path}: {source}")]
+    DiskFull {
+        /// The file being written.
+        path: PathBuf,
+        /// The OS error (ENOSPC, EFBIG, EDQUOT).
+        source: io::Error,
+    },
+    /// The directory holds blocks of another KV geometry.
+    #[error(
+        "{path} holds blocks of geometry {found}, this tier is configured for {expected}; use another directory for another model"
+    )]
+    DiskGeometryMismatch {
+        /// The region file.
+        path: PathBuf,
+        /// The configured geometry.
+        expected: KvGeometry,
+        /// The geometry in the file.
+        found: KvGeometry,
     },
     /// No page could be allocated: every page is pinned, being written, or holds a prefix of
     /// another resident block.

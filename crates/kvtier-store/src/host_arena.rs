@@ -14,7 +14,18 @@ pub const PAGE_ALIGN: usize = 4096;
 /// Most pages one arena indexes (page ids are `u32`, one value is reserved).
 const MAX_PAGES: u64 = u32::MAX as u64 - 1;
 
-/// A shared-memory region of `num_pages` pages; page `p` holds one block of every layer,
+/// What memory an arena is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArenaBacking<'a> {
+    /// Process-private anonymous memory.
+    Private,
+    /// An anonymous memfd (shareable by passing its descriptor).
+    Memfd,
+    /// A new file at this path (e.g. under `/dev/shm`), removed when the arena drops.
+    File(&'a Path),
+}
+
+/// A memory region of `num_pages` pages; page `p` holds one block of every layer,
 /// layer-major (`[layer][K|V][token][head][dim]`), so each (block, layer) is one contiguous
 /// range and one copy.
 #[derive(Debug)]
@@ -26,8 +37,7 @@ pub struct HostArena {
 }
 
 impl HostArena {
-    /// Maps an arena of at most `capacity_bytes` (rounded down to whole pages), anonymous when
-    /// `path` is `None`, and prefaults it.
+    /// Maps an arena of at most `capacity_bytes` (rounded down to whole pages) and prefaults it.
     ///
     /// # Errors
     /// [`StoreError::CapacityTooSmall`] when not even one page fits,
@@ -35,7 +45,7 @@ impl HostArena {
     pub fn new(
         geometry: KvGeometry,
         capacity_bytes: u64,
-        path: Option<&Path>,
+        backing: ArenaBacking<'_>,
         prefault: Prefault,
     ) -> Result<Self, StoreError> {
         let page_stride = geometry.bytes_per_block().next_multiple_of(PAGE_ALIGN);
@@ -58,9 +68,10 @@ impl HostArena {
             pages,
             max_pages: MAX_PAGES,
         })?;
-        let region = match path {
-            Some(p) => ShmRegion::create_file(p, len, prefault)?,
-            None => ShmRegion::create_anonymous("kvtier-host-arena", len, prefault)?,
+        let region = match backing {
+            ArenaBacking::File(p) => ShmRegion::create_file(p, len, prefault)?,
+            ArenaBacking::Memfd => ShmRegion::create_anonymous("kvtier-host-arena", len, prefault)?,
+            ArenaBacking::Private => ShmRegion::create_private("kvtier-host-arena", len, prefault)?,
         };
         Ok(Self {
             region,

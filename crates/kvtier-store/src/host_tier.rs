@@ -11,10 +11,10 @@
 //! - A page becomes visible to matches and pins only when its writer commits (state `READY`), so
 //!   no reader ever sees a half-written block.
 
-use std::hash::{BuildHasherDefault, Hasher};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
 use kvtier_core::{BlockKey, ByteSize, KvGeometry, NamespaceFingerprint};
@@ -22,7 +22,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::StoreError;
 use crate::eviction::{EvictionKind, EvictionPolicy, PageId};
-use crate::host_arena::HostArena;
+use crate::host_arena::{ArenaBacking, HostArena};
+use crate::key_hasher::KeyHasherBuilder;
 use crate::shm_region::{Prefault, ShmRegion};
 
 const FREE: u8 = 0;
@@ -35,8 +36,11 @@ const READY: u8 = 2;
 pub struct HostTierConfig {
     /// Bytes of shared memory for block pages (default `4GiB`), rounded down to whole pages.
     pub capacity: ByteSize,
-    /// File to back the arena (e.g. under `/dev/shm`); `None` (default) for an anonymous memfd.
+    /// File to back the arena (e.g. under `/dev/shm`), making it shareable; `None` (default)
+    /// uses `backing`.
     pub shm_path: Option<PathBuf>,
+    /// Memory of the arena when `shm_path` is not set (default `private`).
+    pub backing: HostBacking,
     /// Eviction policy (default `s3fifo`).
     pub eviction: EvictionKind,
     /// Touch every page at start-up so no transfer pays first-touch faults (default `true`).
@@ -48,37 +52,35 @@ impl Default for HostTierConfig {
         Self {
             capacity: ByteSize::gib(4),
             shm_path: None,
+            backing: HostBacking::default(),
             eviction: EvictionKind::default(),
             prefault: true,
         }
     }
 }
 
-/// Block keys are already uniform 128-bit hashes: fold them instead of hashing them again.
-#[derive(Default)]
-struct KeyHasher(u64);
-
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
-        }
-    }
-    fn write_u128(&mut self, v: u128) {
-        self.0 = (v as u64) ^ ((v >> 64) as u64);
-    }
+/// Memory of the host arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HostBacking {
+    /// Process-private anonymous memory. The default: only kvtier maps its host arena, and
+    /// O_DIRECT disk reads into private memory ran ~30% faster than into shared memory here
+    /// (1.45 against 1.1 GiB/s with 4 reads in flight).
+    #[default]
+    Private,
+    /// An anonymous memfd: shared memory another process could map through its descriptor.
+    Memfd,
 }
 
-type Index = DashMap<BlockKey, PageId, BuildHasherDefault<KeyHasher>>;
+type Index = DashMap<BlockKey, PageId, KeyHasherBuilder>;
 
 /// Per-page state read without the allocation lock.
 #[derive(Debug, Default)]
 struct PageMeta {
     state: AtomicU8,
     pins: AtomicU32,
+    /// Matches that found the block since it became resident (the disk admission filter).
+    hits: AtomicU32,
     key: [AtomicU64; 2],
     ns: [AtomicU64; 2],
 }
@@ -144,6 +146,8 @@ struct Counters {
 
 #[derive(Debug)]
 struct Inner {
+    /// Notified whenever a written page is committed or abandoned (see `pin_waiting`).
+    settled: (Mutex<()>, Condvar),
     arena: HostArena,
     index: Index,
     meta: Box<[PageMeta]>,
@@ -223,12 +227,12 @@ impl HostTier {
         } else {
             Prefault::Lazy
         };
-        let arena = HostArena::new(
-            geometry,
-            config.capacity.bytes(),
-            config.shm_path.as_deref(),
-            prefault,
-        )?;
+        let backing = match (&config.shm_path, config.backing) {
+            (Some(p), _) => ArenaBacking::File(p),
+            (None, HostBacking::Private) => ArenaBacking::Private,
+            (None, HostBacking::Memfd) => ArenaBacking::Memfd,
+        };
+        let arena = HostArena::new(geometry, config.capacity.bytes(), backing, prefault)?;
         let pages = arena.num_pages();
         let meta = (0..pages).map(|_| PageMeta::default()).collect();
         // Pop from the end: hand out low page numbers first.
@@ -251,6 +255,7 @@ impl HostTier {
                     links: vec![Link::default(); pages as usize],
                 }),
                 counters: Counters::default(),
+                settled: (Mutex::new(()), Condvar::new()),
                 arena,
             }),
         })
@@ -305,6 +310,7 @@ impl HostTier {
         let meta = &inner.meta[page as usize];
         meta.set_identity(ns, key);
         meta.pins.store(0, Ordering::Relaxed);
+        meta.hits.store(0, Ordering::Relaxed);
         meta.state.store(WRITING, Ordering::Release);
         st.links[page as usize].parent = None;
         st.links[page as usize].children = 0;
@@ -347,14 +353,31 @@ impl HostTier {
     /// Cost: one index lookup per key up to the first miss, then one lock to record the use.
     /// Pins nothing: a block may be evicted right after; [`HostTier::pin`] it to load it.
     pub fn match_prefix(&self, ns: NamespaceFingerprint, keys: &[BlockKey]) -> Vec<PageId> {
+        self.match_prefix_counting(ns, keys, 0).0
+    }
+
+    /// [`HostTier::match_prefix`], also returning the indices (into `keys`) of the blocks whose
+    /// hit count reached exactly `threshold` with this match (0: none) — the blocks a
+    /// "hit at least N times" admission filter admits now.
+    pub fn match_prefix_counting(
+        &self,
+        ns: NamespaceFingerprint,
+        keys: &[BlockKey],
+        threshold: u32,
+    ) -> (Vec<PageId>, Vec<usize>) {
         let inner = &self.inner;
         let mut pages = Vec::with_capacity(keys.len());
-        for &key in keys {
+        let mut reached = Vec::new();
+        for (i, &key) in keys.iter().enumerate() {
             let Some(page) = inner.index.get(&key).map(|p| *p) else {
                 break;
             };
-            if !inner.meta[page as usize].holds(ns, key) {
+            let meta = &inner.meta[page as usize];
+            if !meta.holds(ns, key) {
                 break;
+            }
+            if meta.hits.fetch_add(1, Ordering::Relaxed) + 1 == threshold {
+                reached.push(i);
             }
             pages.push(page);
         }
@@ -370,7 +393,42 @@ impl HostTier {
                 st.policy.on_access(p);
             }
         }
-        pages
+        (pages, reached)
+    }
+
+    /// Like [`HostTier::pin`], but if the block is being written right now (stored from a
+    /// device or promoted from disk), waits up to `timeout` for the writer to commit or give up.
+    ///
+    /// # Blocking
+    /// Blocks the calling thread; never call it from an async runtime or a transfer worker.
+    pub fn pin_waiting(
+        &self,
+        ns: NamespaceFingerprint,
+        key: BlockKey,
+        timeout: Duration,
+    ) -> Option<PinnedPage> {
+        let deadline = Instant::now() + timeout;
+        let inner = &self.inner;
+        let mut guard = inner.settled.0.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(p) = self.pin(ns, key) {
+                return Some(p);
+            }
+            let writing = inner
+                .index
+                .get(&key)
+                .is_some_and(|p| inner.meta[*p as usize].state.load(Ordering::Acquire) == WRITING);
+            let now = Instant::now();
+            if !writing || now >= deadline {
+                return None;
+            }
+            guard = inner
+                .settled
+                .1
+                .wait_timeout(guard, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 
     /// Whether block `key` of `ns` is resident and readable.
@@ -411,7 +469,10 @@ impl HostTier {
         keys: &[BlockKey],
     ) -> Result<Vec<PinnedPage>, StoreError> {
         keys.iter()
-            .map(|&key| self.pin(ns, key).ok_or(StoreError::NotFound { key }))
+            .map(|&key| {
+                self.pin(ns, key)
+                    .ok_or(StoreError::NotFound { key, tier: "host" })
+            })
             .collect()
     }
 
@@ -488,6 +549,11 @@ impl HostTier {
 }
 
 impl Inner {
+    fn notify_settled(&self) {
+        let _g = self.settled.0.lock().unwrap_or_else(|e| e.into_inner());
+        self.settled.1.notify_all();
+    }
+
     fn lock_alloc(&self) -> MutexGuard<'_, AllocState> {
         // A panic while holding the lock leaves the state consistent at every await-free step
         // boundary we have; keep serving rather than poisoning the whole tier.
@@ -656,6 +722,24 @@ impl PageWriter {
     /// Publishes the block: from now on matches and pins see it. The caller asserts every layer
     /// was written.
     pub fn commit(mut self) {
+        self.publish();
+    }
+
+    /// Publishes the block and returns a pin on it, so it cannot be evicted before the caller
+    /// uses it (a block promoted from disk on its way to a device).
+    pub fn commit_pinned(mut self) -> PinnedPage {
+        self.inner.meta[self.page as usize]
+            .pins
+            .fetch_add(1, Ordering::AcqRel);
+        self.publish();
+        PinnedPage {
+            inner: Arc::clone(&self.inner),
+            page: self.page,
+            key: self.key,
+        }
+    }
+
+    fn publish(&mut self) {
         let inner = &self.inner;
         let mut st = inner.lock_alloc();
         let page = self.page;
@@ -672,6 +756,8 @@ impl PageWriter {
         st.policy.on_insert(page, self.key);
         inner.counters.inserts.fetch_add(1, Ordering::Relaxed);
         self.committed = true;
+        drop(st);
+        inner.notify_settled();
     }
 }
 
@@ -688,6 +774,8 @@ impl Drop for PageWriter {
         Inner::release_links(&mut st.links, page);
         st.free.push(page);
         inner.counters.aborted_writes.fetch_add(1, Ordering::Relaxed);
+        drop(st);
+        inner.notify_settled();
     }
 }
 

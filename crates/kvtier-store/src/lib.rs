@@ -7,17 +7,33 @@
 //!   eviction through an [`EvictionPolicy`] ([`S3Fifo`] or [`Lru`]) that never takes a pinned
 //!   page and takes suffix blocks before their prefixes.
 //!
+//! - [`DiskTier`]: log-structured region files with checksummed entries, O_DIRECT, FIFO region
+//!   reclaim and crash recovery.
+//!
+//! - [`TieredStore`]: both tiers and the [`WritePolicy`] between them.
+//!
 //! No networking here; the transfer queues (kvtier-transfer) move bytes in and out.
 #![warn(missing_docs)]
 
+mod aligned_buf;
+mod disk_format;
+mod disk_tier;
 mod error;
 mod eviction;
 mod host_arena;
 mod host_tier;
+mod key_hasher;
 mod shm_region;
+mod tiered_store;
 
+pub use disk_tier::{Appended, DirectIo, DiskTier, DiskTierConfig, DiskTierStats, RecoveryReport};
 pub use error::StoreError;
 pub use eviction::{EvictionKind, EvictionPolicy, Lru, PageId, S3Fifo};
-pub use host_arena::{HostArena, PAGE_ALIGN};
-pub use host_tier::{HostTier, HostTierConfig, HostTierStats, PageWriter, PinnedPage, Removal, Reservation};
+pub use host_arena::{ArenaBacking, HostArena, PAGE_ALIGN};
+pub use host_tier::{
+    HostBacking, HostTier, HostTierConfig, HostTierStats, PageWriter, PinnedPage, Removal, Reservation,
+};
 pub use shm_region::{Prefault, ShmRegion};
+pub use tiered_store::{
+    BlockTier, PrefixMatch, TieredStore, TieredStoreConfig, TieredStoreStats, WritePolicy,
+};

@@ -11,8 +11,10 @@
 #![warn(missing_docs)]
 
 mod device_pool;
+mod disk_io_gate;
 mod error;
 mod load_queue;
+mod queue_core;
 mod store_queue;
 mod transfer_job;
 mod transfer_queues;
@@ -22,7 +24,7 @@ mod worker_pool;
 pub use device_pool::{CpuDevicePool, DevicePool, POOL_HEADER_BYTES};
 pub use error::TransferError;
 pub use load_queue::{LoadBlock, LoadEvent, LoadQueue, LoadReport, LoadTicket};
-pub use store_queue::{StoreBlock, StoreQueue, StoreReport, StoreTicket};
-pub use transfer_job::QueueStats;
+pub use queue_core::{QueueStats, Route, RouteFigures, RouteStats};
+pub use store_queue::{PersistReport, StoreBlock, StoreQueue, StoreReport, StoreTicket};
 pub use transfer_queues::{TransferConfig, TransferQueues};
 pub use transfer_timing::TransferTiming;

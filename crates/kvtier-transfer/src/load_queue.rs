@@ -1,21 +1,22 @@
-//! The load queue: host pages → device slots, layer by layer, latency first.
+//! The load queue: host pages → device slots, layer by layer, latency first; blocks that are
+//! only on disk are read into host pages first (route disk → host).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvtier_core::{BlockKey, NamespaceFingerprint};
-use kvtier_store::{HostTier, PinnedPage};
+use kvtier_store::{DiskTier, HostTier, PageWriter, PinnedPage, Reservation, StoreError, TieredStore};
 
-use crate::transfer_job::{
-    CancelOnDrop, ChunkPlan, JobCore, QueueCore, QueueCounters, QueueStats, validate_request,
-};
+use crate::disk_io_gate::{DiskIoGate, PendingReads};
+use crate::queue_core::{QueueCore, QueueCounters, QueueStats, Route, Routes};
+use crate::transfer_job::{CancelOnDrop, ChunkPlan, Continuation, JobCore, lock, validate_request};
 use crate::transfer_timing::TransferTiming;
-use crate::worker_pool::ChunkedJob;
-use crate::{DevicePool, TransferError};
+use crate::worker_pool::{ChunkedJob, WorkerHandle};
+use crate::{DevicePool, TransferConfig, TransferError};
 
-/// One block to load: the host block `key` into device `slot`.
+/// One block to load: block `key` into device `slot`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LoadBlock {
     /// The block.
@@ -24,11 +25,17 @@ pub struct LoadBlock {
     pub slot: u32,
 }
 
-/// Progress of a load, in order: `LayerReady` for layer 0, 1, … (each once every block of that
-/// layer is in its slot), then exactly one `Done`.
+/// Progress of a load, in order: at most one `Missing`, then `LayerReady` for layer 0, 1, …
+/// (each once every loadable block of that layer is in its slot), then exactly one `Done`.
 #[derive(Debug)]
 pub enum LoadEvent {
-    /// Every requested block of this layer (and of all earlier layers) is in place.
+    /// Blocks found on disk at submission that could not be read (corrupt, reclaimed, I/O
+    /// error): their slots are not written; recompute them.
+    Missing {
+        /// The blocks.
+        keys: Vec<BlockKey>,
+    },
+    /// Every loadable block of this layer (and of all earlier layers) is in place.
     LayerReady {
         /// The layer.
         layer: u32,
@@ -42,13 +49,17 @@ pub enum LoadEvent {
 pub struct LoadReport {
     /// Blocks copied into their slots (all layers).
     pub loaded_blocks: usize,
-    /// Requested blocks that were not resident in the host tier: their slots were not written;
-    /// the requester must recompute them.
+    /// Of those, blocks first read from disk into host pages.
+    pub disk_blocks: usize,
+    /// Requested blocks that could not be loaded: their slots were not written; the requester
+    /// must recompute them.
     pub missing: Vec<BlockKey>,
-    /// Bytes copied.
+    /// Bytes copied into the device.
     pub bytes: u64,
-    /// When the copies ran.
+    /// When the copies ran (disk reads included).
     pub timing: TransferTiming,
+    /// When the disk reads ran (`None` if nothing came from disk).
+    pub disk_timing: Option<TransferTiming>,
 }
 
 /// The requester's handle on a load. Dropping it before `Done` cancels the load: chunks not yet
@@ -61,8 +72,8 @@ pub struct LoadTicket {
 }
 
 impl LoadTicket {
-    /// Requested blocks that are not resident (known at submission, so recomputing them can
-    /// start at once).
+    /// Requested blocks in no tier at submission (so recomputing them can start at once). Disk
+    /// reads that fail later are announced by [`LoadEvent::Missing`].
     pub fn missing(&self) -> &[BlockKey] {
         &self.missing
     }
@@ -82,7 +93,7 @@ impl LoadTicket {
         Some(ev)
     }
 
-    /// Blocks until the load finishes, skipping layer events.
+    /// Blocks until the load finishes, skipping the other events.
     ///
     /// # Errors
     /// The load's error, or [`TransferError::ShutDown`] if the queue stopped first.
@@ -96,27 +107,49 @@ impl LoadTicket {
     }
 }
 
-/// Host → device copies, on their own worker threads. Loads are what a request's
-/// time-to-first-token waits for: they never wait behind stores (separate threads and queue),
-/// and each load is spread over all load workers so it finishes as early as possible.
+/// Host → device copies (and disk → host reads), on their own worker threads. Loads are what a
+/// request's time-to-first-token waits for: they never wait behind stores (separate threads and
+/// queue), and each load is spread over all load workers so it finishes as early as possible.
 #[derive(Debug)]
 pub struct LoadQueue {
     core: QueueCore,
+    inflight_wait: Duration,
+    gate: Arc<DiskIoGate>,
 }
 
 impl LoadQueue {
-    pub(crate) fn new(threads: usize, limit_bytes: u64, chunk_bytes: usize) -> Result<Self, TransferError> {
+    pub(crate) fn new(
+        config: &TransferConfig,
+        routes: Arc<Routes>,
+        gate: Arc<DiskIoGate>,
+    ) -> Result<Self, TransferError> {
         Ok(Self {
-            core: QueueCore::new("load", threads, 0, limit_bytes, chunk_bytes)?,
+            core: QueueCore::new(
+                "load",
+                config.resolved_load_threads(),
+                config.disk_read_threads.max(1),
+                0,
+                config.load_inflight_limit.bytes(),
+                config.chunk_bytes_usize(),
+                routes,
+            )?,
+            inflight_wait: Duration::from_millis(config.load_wait_inflight_ms),
+            gate,
         })
     }
 
-    /// Pins each block of namespace `ns` in `host` and queues its copy into its device slot.
-    /// Blocks that are not resident are reported in [`LoadTicket::missing`] and in the report,
-    /// never silently skipped.
+    /// Pins each block of namespace `ns` in the host tier — reserving a host page and queueing
+    /// a disk read for blocks only on disk — and queues the copies into the device slots.
+    /// Blocks in no tier are reported in [`LoadTicket::missing`] and in the report, never
+    /// silently skipped. `blocks` list one sequence's blocks in order (as a match returns them):
+    /// a block read from disk is linked to the one before it for eviction order.
     ///
-    /// Cost: one pin per block now; the copies (`blocks × layers` block-layers) run on the
-    /// load workers.
+    /// Cost: one pin or page reservation per block now; the reads and copies run on the load
+    /// workers.
+    ///
+    /// # Blocking
+    /// A block being written into the host tier right now (stored, or read from disk by another
+    /// load) is waited for, up to the configured wait, and reported missing after it.
     ///
     /// # Errors
     /// [`TransferError::EmptyRequest`], [`TransferError::GeometryMismatch`],
@@ -125,31 +158,57 @@ impl LoadQueue {
     pub fn submit(
         &self,
         pool: &Arc<dyn DevicePool>,
-        host: &HostTier,
+        store: &TieredStore,
         ns: NamespaceFingerprint,
         blocks: &[LoadBlock],
     ) -> Result<LoadTicket, TransferError> {
-        validate_request("load", pool.as_ref(), host, blocks.iter().map(|b| b.slot))?;
+        let geometry = *store.geometry();
+        validate_request("load", pool.as_ref(), &geometry, blocks.iter().map(|b| b.slot))?;
         let submitted = Instant::now();
-        let mut pins: Vec<PinnedPage> = Vec::with_capacity(blocks.len());
-        let mut copies = Vec::with_capacity(blocks.len());
+        let host = store.host();
+        let mut ready: Vec<(u32, PinnedPage)> = Vec::with_capacity(blocks.len());
+        let mut promote: Vec<Promotion> = Vec::new();
         let mut missing = Vec::new();
-        for b in blocks {
-            match host.pin(ns, b.key) {
-                Some(pin) => {
-                    copies.push((b.slot, pin.layer_range(0)?.0));
-                    pins.push(pin);
+        let mut no_space = 0u64;
+        for (i, b) in blocks.iter().enumerate() {
+            if let Some(pin) = host.pin(ns, b.key) {
+                ready.push((b.slot, pin));
+                continue;
+            }
+            if let Some(disk) = store.disk()
+                && disk.contains(ns, b.key)
+            {
+                let parent = i.checked_sub(1).map(|p| blocks[p].key);
+                match host.reserve(ns, b.key, parent) {
+                    Ok(Reservation::Writer(writer)) => {
+                        promote.push(Promotion {
+                            slot: b.slot,
+                            page_offset: writer.layer_range(0)?.0,
+                            writer,
+                        });
+                        continue;
+                    }
+                    // Raced with another writer of the same block: wait for it below.
+                    Ok(Reservation::AlreadyStored | Reservation::InFlight) => {}
+                    Err(StoreError::NoSpace { .. }) => {
+                        no_space += 1;
+                        missing.push(b.key);
+                        continue;
+                    }
+                    Err(e) => return Err(e.into()),
                 }
+            }
+            match host.pin_waiting(ns, b.key, self.inflight_wait) {
+                Some(pin) => ready.push((b.slot, pin)),
                 None => missing.push(b.key),
             }
         }
-        let geometry = *host.geometry();
-        let bytes = (copies.len() * geometry.bytes_per_block()) as u64;
+        let bytes = ((ready.len() + promote.len()) * geometry.bytes_per_block()) as u64;
         let inflight = self.core.admit(bytes, blocks.len())?;
-        self.core
-            .counters
-            .missing_blocks
+        let c = &self.core.counters;
+        c.missing_blocks
             .fetch_add(missing.len() as u64, Ordering::Relaxed);
+        c.no_space_blocks.fetch_add(no_space, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let ticket = LoadTicket {
@@ -157,29 +216,38 @@ impl LoadQueue {
             cancel: CancelOnDrop::new(Arc::clone(&cancel)),
             missing: missing.clone(),
         };
-        let plan = ChunkPlan::new(
-            copies.len(),
-            geometry.layers(),
-            geometry.bytes_per_block_layer(),
-            self.core.chunk_bytes,
-        );
-        let job = Arc::new(LoadJob {
-            core: self.core.job_core(plan, submitted, cancel, inflight),
+        let parts = self.core.start(submitted, cancel, inflight);
+        let request = LoadRequest {
             pool: Arc::clone(pool),
             host: host.clone(),
-            copies,
             layer_bytes: geometry.bytes_per_block_layer(),
-            pins: Mutex::new(pins),
-            missing,
-            progress: Mutex::new(LayerProgress {
-                done: vec![false; geometry.layers() as usize],
-                next: 0,
-            }),
+            chunk_bytes: self.core.chunk_bytes,
             events: tx,
             counters: Arc::clone(&self.core.counters),
-            bytes,
-        });
-        self.core.launch(job);
+            routes: Arc::clone(&self.core.routes),
+            missing,
+            workers: self.core.handle(),
+        };
+        match store.disk() {
+            Some(disk) if !promote.is_empty() => {
+                let plan = ChunkPlan::new(promote.len(), 1, 1, 1);
+                self.core.launch_io(Arc::new(PromoteJob {
+                    core: JobCore::new(plan, parts),
+                    reads: self.gate.reads(promote.len()),
+                    disk: disk.clone(),
+                    host: host.clone(),
+                    ns,
+                    failed: promote.iter().map(|_| AtomicBool::new(false)).collect(),
+                    targets: promote.iter().map(|p| (p.writer.key(), p.page_offset)).collect(),
+                    promote: Mutex::new(promote),
+                    ready: Mutex::new(ready),
+                    request: Mutex::new(Some(request)),
+                }));
+            }
+            _ => self
+                .core
+                .launch(Arc::new(LoadJob::new(request, ready, None, parts))),
+        }
         Ok(ticket)
     }
 
@@ -199,62 +267,189 @@ impl LoadQueue {
     }
 }
 
+/// A block on its way from disk into a reserved host page.
+#[derive(Debug)]
+struct Promotion {
+    slot: u32,
+    page_offset: usize,
+    writer: PageWriter,
+}
+
+/// What every phase of one load needs.
+#[derive(Debug)]
+struct LoadRequest {
+    pool: Arc<dyn DevicePool>,
+    host: HostTier,
+    layer_bytes: usize,
+    chunk_bytes: usize,
+    events: mpsc::Sender<LoadEvent>,
+    counters: Arc<QueueCounters>,
+    routes: Arc<Routes>,
+    missing: Vec<BlockKey>,
+    workers: WorkerHandle,
+}
+
+/// Phase 1 of a load with blocks only on disk: one disk read per chunk into reserved host
+/// pages; then the pages are published and the device copies queued.
+#[derive(Debug)]
+struct PromoteJob {
+    core: JobCore,
+    /// Counted by the disk I/O gate, so disk writes wait for these reads.
+    reads: PendingReads,
+    disk: DiskTier,
+    host: HostTier,
+    ns: NamespaceFingerprint,
+    /// (key, host page offset) per block to read.
+    targets: Vec<(BlockKey, usize)>,
+    failed: Vec<AtomicBool>,
+    promote: Mutex<Vec<Promotion>>,
+    ready: Mutex<Vec<(u32, PinnedPage)>>,
+    /// Moved into the device-copy job at finish.
+    request: Mutex<Option<LoadRequest>>,
+}
+
+impl ChunkedJob for PromoteJob {
+    fn claim(&self) -> Option<usize> {
+        self.core.claim()
+    }
+
+    fn run(&self, chunk: usize) {
+        let region = self.host.region();
+        let last = self.core.run_chunk(
+            chunk,
+            |b, _| {
+                let (key, page_offset) = self.targets[b];
+                // A block that fails is reported missing; the others still load.
+                if self.disk.read_into(self.ns, key, region, page_offset).is_err() {
+                    self.failed[b].store(true, Ordering::Release);
+                }
+                Ok(())
+            },
+            |_| {},
+        );
+        self.reads.one_done();
+        if last {
+            self.finish();
+        }
+    }
+
+    fn chunks(&self) -> usize {
+        self.core.plan.total()
+    }
+
+    fn finish(&self) {
+        let promote = std::mem::take(&mut *lock(&self.promote));
+        let mut ready = std::mem::take(&mut *lock(&self.ready));
+        let Some(mut request) = lock(&self.request).take() else {
+            return;
+        };
+        if let Err(e) = self.core.outcome() {
+            // Cancelled or failed: dropping the writers frees their pages unpublished.
+            drop(promote);
+            let _ = request.events.send(LoadEvent::Done(Err(e)));
+            return;
+        }
+        let mut failed = Vec::new();
+        let mut read = 0u64;
+        // Suffix first, so eviction policies see prefixes as younger.
+        for (i, p) in promote.into_iter().enumerate().rev() {
+            if self.failed[i].load(Ordering::Acquire) {
+                failed.push(p.writer.key());
+            } else {
+                read += 1;
+                ready.push((p.slot, p.writer.commit_pinned()));
+            }
+        }
+        let geometry_bytes = self.host.geometry().bytes_per_block() as u64;
+        let c = &request.counters;
+        c.disk_blocks.fetch_add(read, Ordering::Relaxed);
+        c.disk_failed_blocks
+            .fetch_add(failed.len() as u64, Ordering::Relaxed);
+        request.routes.add(
+            Route::DiskToHost,
+            read,
+            read * geometry_bytes,
+            self.core.busy_ns(),
+        );
+        if !failed.is_empty() {
+            failed.reverse();
+            let _ = request.events.send(LoadEvent::Missing { keys: failed.clone() });
+            request.missing.extend(failed);
+        }
+        let workers = request.workers.clone();
+        let disk = (read > 0).then(|| (read as usize, self.core.own_timing()));
+        workers.launch_first(Arc::new(LoadJob::new(
+            request,
+            ready,
+            disk,
+            self.core.continuation(),
+        )));
+    }
+}
+
 #[derive(Debug)]
 struct LayerProgress {
     done: Vec<bool>,
     next: u32,
 }
 
+/// The device copies of a load, layer-major.
 #[derive(Debug)]
 struct LoadJob {
     core: JobCore,
-    pool: Arc<dyn DevicePool>,
-    host: HostTier,
+    request: LoadRequest,
     /// (device slot, host page offset) per block.
     copies: Vec<(u32, usize)>,
-    layer_bytes: usize,
     pins: Mutex<Vec<PinnedPage>>,
-    missing: Vec<BlockKey>,
+    /// Blocks read from disk first, and when.
+    disk: Option<(usize, TransferTiming)>,
     progress: Mutex<LayerProgress>,
-    events: mpsc::Sender<LoadEvent>,
-    counters: Arc<QueueCounters>,
     bytes: u64,
 }
 
 impl LoadJob {
+    fn new(
+        request: LoadRequest,
+        ready: Vec<(u32, PinnedPage)>,
+        disk: Option<(usize, TransferTiming)>,
+        parts: Continuation,
+    ) -> Self {
+        let geometry = *request.host.geometry();
+        let copies = ready
+            .iter()
+            .map(|(slot, pin)| (*slot, pin.layer_range(0).map_or(0, |r| r.0)))
+            .collect::<Vec<_>>();
+        let plan = ChunkPlan::new(
+            copies.len(),
+            geometry.layers(),
+            request.layer_bytes,
+            request.chunk_bytes,
+        );
+        Self {
+            core: JobCore::new(plan, parts),
+            bytes: (copies.len() * geometry.bytes_per_block()) as u64,
+            copies,
+            pins: Mutex::new(ready.into_iter().map(|(_, p)| p).collect()),
+            disk,
+            progress: Mutex::new(LayerProgress {
+                done: vec![false; geometry.layers() as usize],
+                next: 0,
+            }),
+            request,
+        }
+    }
+
     /// Reports layers in order: a layer is announced once it and every earlier layer are done.
     fn layer_finished(&self, layer: u32) {
-        let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = lock(&self.progress);
         p.done[layer as usize] = true;
         while (p.next as usize) < p.done.len() && p.done[p.next as usize] {
             if !self.core.cancelled.load(Ordering::Acquire) {
                 // A requester that went away is not an error.
-                let _ = self.events.send(LoadEvent::LayerReady { layer: p.next });
+                let _ = self.request.events.send(LoadEvent::LayerReady { layer: p.next });
             }
             p.next += 1;
         }
-    }
-
-    fn complete(&self) {
-        drop(std::mem::take(
-            &mut *self.pins.lock().unwrap_or_else(|e| e.into_inner()),
-        ));
-        self.core.release_inflight();
-        let outcome = self.core.outcome();
-        let timing = self.core.timing.snapshot();
-        self.counters.finish(
-            &outcome,
-            self.copies.len() as u64,
-            self.bytes,
-            timing.active.as_nanos() as u64,
-        );
-        let result = outcome.map(|()| LoadReport {
-            loaded_blocks: self.copies.len(),
-            missing: self.missing.clone(),
-            bytes: self.bytes,
-            timing,
-        });
-        let _ = self.events.send(LoadEvent::Done(result));
     }
 }
 
@@ -264,21 +459,18 @@ impl ChunkedJob for LoadJob {
     }
 
     fn run(&self, chunk: usize) {
-        let region = self.host.region();
-        let done = self.core.run_chunk(chunk, |b, layer| {
-            let (slot, page_offset) = self.copies[b];
-            self.pool.copy_in(
-                slot,
-                layer,
-                region,
-                page_offset + layer as usize * self.layer_bytes,
-            )
-        });
-        if let Some(layer) = done.layer_done {
-            self.layer_finished(layer);
-        }
-        if done.job_done {
-            self.complete();
+        let region = self.request.host.region();
+        let last = self.core.run_chunk(
+            chunk,
+            |b, layer| {
+                let (slot, page_offset) = self.copies[b];
+                let offset = page_offset + layer as usize * self.request.layer_bytes;
+                self.request.pool.copy_in(slot, layer, region, offset)
+            },
+            |layer| self.layer_finished(layer),
+        );
+        if last {
+            self.finish();
         }
     }
 
@@ -287,6 +479,27 @@ impl ChunkedJob for LoadJob {
     }
 
     fn finish(&self) {
-        self.complete();
+        drop(std::mem::take(&mut *lock(&self.pins)));
+        self.core.release_inflight();
+        let outcome = self.core.outcome();
+        let timing = self.core.timing.snapshot();
+        let blocks = self.copies.len() as u64;
+        self.request
+            .counters
+            .finish(&outcome, blocks, self.bytes, self.core.busy_ns());
+        if outcome.is_ok() {
+            self.request
+                .routes
+                .add(Route::HostToDevice, blocks, self.bytes, self.core.busy_ns());
+        }
+        let result = outcome.map(|()| LoadReport {
+            loaded_blocks: self.copies.len(),
+            disk_blocks: self.disk.map_or(0, |d| d.0),
+            missing: self.request.missing.clone(),
+            bytes: self.bytes,
+            timing,
+            disk_timing: self.disk.map(|d| d.1),
+        });
+        let _ = self.request.events.send(LoadEvent::Done(result));
     }
 }

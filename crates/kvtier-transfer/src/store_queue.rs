@@ -1,19 +1,22 @@
-//! The store queue: device slots → host pages, admitted only while there is room.
+//! The store queue: device slots → host pages, admitted only while there is room; then, under
+//! the write policy, host pages → disk in the background.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvtier_core::{BlockKey, NamespaceFingerprint};
-use kvtier_store::{HostTier, PageWriter, Reservation, StoreError};
-
-use crate::transfer_job::{
-    CancelOnDrop, ChunkPlan, JobCore, QueueCore, QueueCounters, QueueStats, validate_request,
+use kvtier_store::{
+    Appended, DiskTier, HostTier, PageWriter, PinnedPage, Reservation, StoreError, TieredStore,
 };
+
+use crate::disk_io_gate::DiskIoGate;
+use crate::queue_core::{QueueCore, QueueCounters, QueueStats, Route, Routes};
+use crate::transfer_job::{CancelOnDrop, ChunkPlan, Continuation, JobCore, lock, validate_request};
 use crate::transfer_timing::TransferTiming;
-use crate::worker_pool::ChunkedJob;
-use crate::{DevicePool, TransferError};
+use crate::worker_pool::{ChunkedJob, WorkerHandle};
+use crate::{DevicePool, TransferConfig, TransferError};
 
 /// One block to store: device `slot` holds block `key`, whose prefix block is `parent`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,11 +26,11 @@ pub struct StoreBlock {
     /// The block before it in its sequence (`None` for the first block); lets the host tier
     /// evict suffixes before prefixes.
     pub parent: Option<BlockKey>,
-    /// The device slot holding its KV (must not be rewritten until the store completes).
+    /// The device slot holding its KV (must not be rewritten until the store is copied).
     pub slot: u32,
 }
 
-/// What a finished store did.
+/// What a store's device → host copy did.
 #[derive(Debug, Clone)]
 pub struct StoreReport {
     /// Blocks copied and published in the host tier.
@@ -42,22 +45,65 @@ pub struct StoreReport {
     pub timing: TransferTiming,
 }
 
-/// The requester's handle on a store. When it completes, the device slots may be reused.
-/// Dropping it before completion cancels the store: nothing of it is published and its
-/// reserved pages are freed.
+/// What writing blocks to disk did.
+#[derive(Debug, Clone, Default)]
+pub struct PersistReport {
+    /// Blocks written.
+    pub written_blocks: usize,
+    /// Blocks that were already on disk.
+    pub already_on_disk: usize,
+    /// Blocks that could not be written, with the reason (disk full, I/O error).
+    pub failed: Vec<(BlockKey, String)>,
+    /// Bytes written (payload).
+    pub bytes: u64,
+    /// When the copies ran: for a store, from its first device → host copy to its last disk
+    /// write. `None` when nothing was to be written.
+    pub timing: Option<TransferTiming>,
+    /// When the disk writes alone ran. `None` when nothing was to be written.
+    pub disk_timing: Option<TransferTiming>,
+}
+
+#[derive(Debug)]
+enum StoreEvent {
+    Copied(Result<StoreReport, TransferError>),
+    Persisted(Result<PersistReport, TransferError>),
+}
+
+/// The requester's handle on a store. Dropping it before the device → host copy completes
+/// cancels the store (nothing is published, reserved pages are freed); afterwards, dropping it
+/// changes nothing: persistence continues in the background.
 #[derive(Debug)]
 pub struct StoreTicket {
-    rx: mpsc::Receiver<Result<StoreReport, TransferError>>,
+    rx: mpsc::Receiver<StoreEvent>,
     cancel: CancelOnDrop,
 }
 
 impl StoreTicket {
-    /// Blocks until the store finishes.
+    /// Blocks until the device → host copy completes: the device slots may be reused.
     ///
     /// # Errors
     /// A copy error, or [`TransferError::ShutDown`] if the queue stopped first.
     pub fn wait(mut self) -> Result<StoreReport, TransferError> {
-        let r = self.rx.recv().unwrap_or(Err(TransferError::ShutDown));
+        self.copied()
+    }
+
+    /// Blocks until the copy and then the disk writes the write policy asked for complete.
+    ///
+    /// # Errors
+    /// As [`StoreTicket::wait`].
+    pub fn wait_persisted(mut self) -> Result<(StoreReport, PersistReport), TransferError> {
+        let copied = self.copied()?;
+        match self.rx.recv() {
+            Ok(StoreEvent::Persisted(r)) => Ok((copied, r?)),
+            _ => Err(TransferError::ShutDown),
+        }
+    }
+
+    fn copied(&mut self) -> Result<StoreReport, TransferError> {
+        let r = match self.rx.recv() {
+            Ok(StoreEvent::Copied(r)) => r,
+            _ => Err(TransferError::ShutDown),
+        };
         self.cancel.disarm();
         r
     }
@@ -65,26 +111,39 @@ impl StoreTicket {
 
 /// Device → host copies, on their own worker threads (at lower scheduling priority when
 /// configured), with a bound on bytes in flight: when it is reached, new stores are refused
-/// with a counted reason instead of queueing up behind, so stores never hold loads back.
+/// with a counted reason instead of queueing up behind, so stores never hold loads back. Disk
+/// writes run on the same threads after the copies and count against the same bound.
 #[derive(Debug)]
 pub struct StoreQueue {
     core: QueueCore,
+    gate: Arc<DiskIoGate>,
+    max_defer: Duration,
 }
 
 impl StoreQueue {
     pub(crate) fn new(
-        threads: usize,
-        nice: i32,
-        limit_bytes: u64,
-        chunk_bytes: usize,
+        config: &TransferConfig,
+        routes: Arc<Routes>,
+        gate: Arc<DiskIoGate>,
     ) -> Result<Self, TransferError> {
         Ok(Self {
-            core: QueueCore::new("store", threads, nice, limit_bytes, chunk_bytes)?,
+            core: QueueCore::new(
+                "store",
+                config.resolved_store_threads(),
+                config.disk_write_threads.max(1),
+                config.store_nice,
+                config.store_inflight_limit.bytes(),
+                config.chunk_bytes_usize(),
+                routes,
+            )?,
+            gate,
+            max_defer: Duration::from_millis(config.disk_write_defer_ms),
         })
     }
 
     /// Reserves a host page for each block not yet stored and queues the copies out of the
-    /// device slots. Blocks become visible to matches when the whole store completes.
+    /// device slots. Blocks become visible to matches when the whole store is copied; with the
+    /// `all` write policy they are then written to disk.
     ///
     /// Cost: one page reservation per block now (may evict); the copies run on the store
     /// workers.
@@ -97,15 +156,16 @@ impl StoreQueue {
     pub fn submit(
         &self,
         pool: &Arc<dyn DevicePool>,
-        host: &HostTier,
+        store: &TieredStore,
         ns: NamespaceFingerprint,
         blocks: &[StoreBlock],
     ) -> Result<StoreTicket, TransferError> {
-        validate_request("store", pool.as_ref(), host, blocks.iter().map(|b| b.slot))?;
+        let geometry = *store.geometry();
+        validate_request("store", pool.as_ref(), &geometry, blocks.iter().map(|b| b.slot))?;
         let submitted = Instant::now();
-        let geometry = *host.geometry();
         let asked = (blocks.len() * geometry.bytes_per_block()) as u64;
         let inflight = self.core.admit(asked, blocks.len())?;
+        let host = store.host();
         let mut writers = Vec::with_capacity(blocks.len());
         let mut copies = Vec::with_capacity(blocks.len());
         let (mut already_stored, mut no_space) = (0, Vec::new());
@@ -133,24 +193,80 @@ impl StoreQueue {
             geometry.bytes_per_block_layer(),
             self.core.chunk_bytes,
         );
-        let job = Arc::new(StoreJob {
-            core: self.core.job_core(plan, submitted, Arc::clone(&cancel), inflight),
+        let parts = self.core.start(submitted, Arc::clone(&cancel), inflight);
+        self.core.launch(Arc::new(StoreJob {
+            core: JobCore::new(plan, parts),
             pool: Arc::clone(pool),
             host: host.clone(),
+            ns,
+            persist_to: store.persists_on_store().then(|| store.disk().cloned()).flatten(),
             layer_bytes: geometry.bytes_per_block_layer(),
             bytes: (copies.len() * geometry.bytes_per_block()) as u64,
             copies,
             writers: Mutex::new(writers),
             already_stored,
             no_space,
-            done: tx,
-            counters: Arc::clone(&self.core.counters),
-        });
-        self.core.launch(job);
+            events: tx,
+            shared: self.shared(),
+            io_workers: self.core.io_handle(),
+        }));
         Ok(StoreTicket {
             rx,
             cancel: CancelOnDrop::new(cancel),
         })
+    }
+
+    /// Writes blocks already in the host tier to `disk` in the background (blocks the
+    /// admission filter just admitted). Blocks no longer resident are skipped. Returns how many
+    /// were queued.
+    ///
+    /// # Errors
+    /// [`TransferError::QueueFull`]: the writes are dropped and counted.
+    pub fn persist(
+        &self,
+        store: &TieredStore,
+        ns: NamespaceFingerprint,
+        keys: &[BlockKey],
+    ) -> Result<usize, TransferError> {
+        let Some(disk) = store.disk() else { return Ok(0) };
+        let pins: Vec<PinnedPage> = keys
+            .iter()
+            .filter(|&&k| !disk.contains(ns, k))
+            .filter_map(|&k| store.host().pin(ns, k))
+            .collect();
+        if pins.is_empty() {
+            return Ok(0);
+        }
+        let bytes = (pins.len() * store.geometry().bytes_per_block()) as u64;
+        let inflight = self.core.admit(bytes, 0).inspect_err(|_| {
+            self.core
+                .counters
+                .persist_rejected_blocks
+                .fetch_add(pins.len() as u64, Ordering::Relaxed);
+        })?;
+        let n = pins.len();
+        let parts = self
+            .core
+            .start(Instant::now(), Arc::new(AtomicBool::new(false)), inflight);
+        self.core.launch_io(Arc::new(PersistJob::new(
+            disk.clone(),
+            store.host().clone(),
+            ns,
+            pins,
+            parts,
+            None,
+            self.shared(),
+        )));
+        Ok(n)
+    }
+
+    fn shared(&self) -> PersistShared {
+        PersistShared {
+            counters: Arc::clone(&self.core.counters),
+            routes: Arc::clone(&self.core.routes),
+            gate: Arc::clone(&self.gate),
+            max_defer: self.max_defer,
+        }
     }
 
     /// A snapshot of the queue's counters.
@@ -163,17 +279,21 @@ impl StoreQueue {
         self.core.threads()
     }
 
-    /// Blocks until no store is queued or running.
+    /// Blocks until no store (or disk write) is queued or running.
     pub fn wait_idle(&self) {
         self.core.wait_idle();
     }
 }
 
+/// The device → host copies of a store.
 #[derive(Debug)]
 struct StoreJob {
     core: JobCore,
     pool: Arc<dyn DevicePool>,
     host: HostTier,
+    ns: NamespaceFingerprint,
+    /// The disk to write the blocks to afterwards (write policy `all`).
+    persist_to: Option<DiskTier>,
     /// (device slot, host page offset) per block being written.
     copies: Vec<(u32, usize)>,
     layer_bytes: usize,
@@ -181,38 +301,18 @@ struct StoreJob {
     writers: Mutex<Vec<PageWriter>>,
     already_stored: usize,
     no_space: Vec<BlockKey>,
-    done: mpsc::Sender<Result<StoreReport, TransferError>>,
-    counters: Arc<QueueCounters>,
+    events: mpsc::Sender<StoreEvent>,
+    shared: PersistShared,
+    io_workers: WorkerHandle,
 }
 
-impl StoreJob {
-    /// Publishes every page if every copy ran, frees them otherwise, then tells the requester.
-    fn complete(&self) {
-        let outcome = self.core.outcome();
-        let writers = std::mem::take(&mut *self.writers.lock().unwrap_or_else(|e| e.into_inner()));
-        if outcome.is_ok() {
-            // Suffix first: eviction policies see a sequence's later blocks as older than its
-            // earlier ones, so they leave in suffix-to-prefix order.
-            writers.into_iter().rev().for_each(PageWriter::commit);
-        } else {
-            drop(writers);
-        }
-        self.core.release_inflight();
-        let timing = self.core.timing.snapshot();
-        self.counters.finish(
-            &outcome,
-            self.copies.len() as u64,
-            self.bytes,
-            timing.active.as_nanos() as u64,
-        );
-        let _ = self.done.send(outcome.map(|()| StoreReport {
-            stored_blocks: self.copies.len(),
-            already_stored: self.already_stored,
-            no_space: self.no_space.clone(),
-            bytes: self.bytes,
-            timing,
-        }));
-    }
+/// What every disk write job needs from its queue.
+#[derive(Debug, Clone)]
+struct PersistShared {
+    counters: Arc<QueueCounters>,
+    routes: Arc<Routes>,
+    gate: Arc<DiskIoGate>,
+    max_defer: Duration,
 }
 
 impl ChunkedJob for StoreJob {
@@ -222,17 +322,175 @@ impl ChunkedJob for StoreJob {
 
     fn run(&self, chunk: usize) {
         let region = self.host.region();
-        let done = self.core.run_chunk(chunk, |b, layer| {
-            let (slot, page_offset) = self.copies[b];
-            self.pool.copy_out(
-                slot,
-                layer,
-                region,
-                page_offset + layer as usize * self.layer_bytes,
-            )
+        let last = self.core.run_chunk(
+            chunk,
+            |b, layer| {
+                let (slot, page_offset) = self.copies[b];
+                self.pool.copy_out(
+                    slot,
+                    layer,
+                    region,
+                    page_offset + layer as usize * self.layer_bytes,
+                )
+            },
+            |_| {},
+        );
+        if last {
+            self.finish();
+        }
+    }
+
+    fn chunks(&self) -> usize {
+        self.core.plan.total()
+    }
+
+    /// Publishes every page if every copy ran (frees them otherwise), tells the requester the
+    /// slots are free, then hands the pages to the disk writer if the policy says so.
+    fn finish(&self) {
+        let outcome = self.core.outcome();
+        let writers = std::mem::take(&mut *lock(&self.writers));
+        let blocks = self.copies.len() as u64;
+        self.shared
+            .counters
+            .finish(&outcome, blocks, self.bytes, self.core.busy_ns());
+        let report = outcome.map(|()| StoreReport {
+            stored_blocks: self.copies.len(),
+            already_stored: self.already_stored,
+            no_space: self.no_space.clone(),
+            bytes: self.bytes,
+            timing: self.core.timing.snapshot(),
         });
-        if done.job_done {
-            self.complete();
+        if report.is_err() {
+            drop(writers);
+            self.core.release_inflight();
+            let _ = self.events.send(StoreEvent::Copied(report));
+            let _ = self
+                .events
+                .send(StoreEvent::Persisted(Ok(PersistReport::default())));
+            return;
+        }
+        self.shared
+            .routes
+            .add(Route::DeviceToHost, blocks, self.bytes, self.core.busy_ns());
+        // Suffix first: eviction policies see a sequence's later blocks as older than its
+        // earlier ones, so they leave in suffix-to-prefix order.
+        let persist = match &self.persist_to {
+            Some(disk) => {
+                let pins: Vec<PinnedPage> =
+                    writers.into_iter().rev().map(PageWriter::commit_pinned).collect();
+                Some((disk.clone(), pins))
+            }
+            None => {
+                writers.into_iter().rev().for_each(PageWriter::commit);
+                None
+            }
+        };
+        let _ = self.events.send(StoreEvent::Copied(report));
+        match persist {
+            Some((disk, pins)) if !pins.is_empty() => {
+                self.io_workers.launch(Arc::new(PersistJob::new(
+                    disk,
+                    self.host.clone(),
+                    self.ns,
+                    pins,
+                    Continuation {
+                        // Persistence outlives the ticket: it cannot be cancelled.
+                        cancelled: Arc::new(AtomicBool::new(false)),
+                        ..self.core.continuation()
+                    },
+                    Some(self.events.clone()),
+                    self.shared.clone(),
+                )));
+            }
+            _ => {
+                self.core.release_inflight();
+                let _ = self
+                    .events
+                    .send(StoreEvent::Persisted(Ok(PersistReport::default())));
+            }
+        }
+    }
+}
+
+/// Host pages → disk entries, one block per chunk; each page stays pinned (so it is served from
+/// memory, and not evicted) until its write finished.
+#[derive(Debug)]
+struct PersistJob {
+    core: JobCore,
+    disk: DiskTier,
+    host: HostTier,
+    ns: NamespaceFingerprint,
+    /// (key, host page offset) per block.
+    blocks: Vec<(BlockKey, usize)>,
+    pins: Mutex<Vec<PinnedPage>>,
+    written: AtomicU64,
+    already: AtomicU64,
+    failed: Mutex<Vec<(BlockKey, String)>>,
+    events: Option<mpsc::Sender<StoreEvent>>,
+    shared: PersistShared,
+    /// Writes wait for pending disk reads until then at the latest.
+    defer_until: Instant,
+}
+
+impl PersistJob {
+    fn new(
+        disk: DiskTier,
+        host: HostTier,
+        ns: NamespaceFingerprint,
+        pins: Vec<PinnedPage>,
+        parts: Continuation,
+        events: Option<mpsc::Sender<StoreEvent>>,
+        shared: PersistShared,
+    ) -> Self {
+        let blocks: Vec<(BlockKey, usize)> = pins
+            .iter()
+            .map(|p| (p.key(), p.layer_range(0).map_or(0, |r| r.0)))
+            .collect();
+        Self {
+            core: JobCore::new(ChunkPlan::new(blocks.len(), 1, 1, 1), parts),
+            disk,
+            host,
+            ns,
+            blocks,
+            pins: Mutex::new(pins),
+            written: AtomicU64::new(0),
+            already: AtomicU64::new(0),
+            failed: Mutex::new(Vec::new()),
+            events,
+            defer_until: Instant::now() + shared.max_defer,
+            shared,
+        }
+    }
+}
+
+impl ChunkedJob for PersistJob {
+    fn claim(&self) -> Option<usize> {
+        self.core.claim()
+    }
+
+    fn run(&self, chunk: usize) {
+        let region = self.host.region();
+        // Loads win: let pending disk reads go first (for a bounded time).
+        self.shared.gate.wait_for_reads(self.defer_until);
+        let last = self.core.run_chunk(
+            chunk,
+            |b, _| {
+                let (key, offset) = self.blocks[b];
+                // A block that cannot be written is reported and counted; the others go on.
+                match self.disk.append(self.ns, key, region, offset) {
+                    Ok(Appended::Written) => self.written.fetch_add(1, Ordering::Relaxed),
+                    Ok(Appended::AlreadyStored) => self.already.fetch_add(1, Ordering::Relaxed),
+                    Err(e) => {
+                        lock(&self.failed).push((key, e.to_string()));
+                        0
+                    }
+                };
+                Ok(())
+            },
+            |_| {},
+        );
+        if last {
+            self.finish();
         }
     }
 
@@ -241,6 +499,31 @@ impl ChunkedJob for StoreJob {
     }
 
     fn finish(&self) {
-        self.complete();
+        drop(std::mem::take(&mut *lock(&self.pins)));
+        self.core.release_inflight();
+        let written = self.written.load(Ordering::Relaxed);
+        let failed = std::mem::take(&mut *lock(&self.failed));
+        let block_bytes = self.host.geometry().bytes_per_block() as u64;
+        let c = &self.shared.counters;
+        c.disk_blocks.fetch_add(written, Ordering::Relaxed);
+        c.disk_failed_blocks
+            .fetch_add(failed.len() as u64, Ordering::Relaxed);
+        self.shared.routes.add(
+            Route::HostToDisk,
+            written,
+            written * block_bytes,
+            self.core.busy_ns(),
+        );
+        if let Some(events) = &self.events {
+            let report = self.core.outcome().map(|()| PersistReport {
+                written_blocks: written as usize,
+                already_on_disk: self.already.load(Ordering::Relaxed) as usize,
+                failed,
+                bytes: written * block_bytes,
+                timing: Some(self.core.timing.snapshot()),
+                disk_timing: Some(self.core.own_timing()),
+            });
+            let _ = events.send(StoreEvent::Persisted(report));
+        }
     }
 }

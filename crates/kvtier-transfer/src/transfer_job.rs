@@ -1,5 +1,5 @@
-//! What load and store jobs share: the chunk plan, claiming, per-layer completion, timing,
-//! cancellation, admission of in-flight bytes, and the counters behind [`QueueStats`].
+//! What every transfer job shares: the chunk plan, claiming, per-layer completion, timing,
+//! cancellation and admission of in-flight bytes.
 
 use std::collections::HashSet;
 use std::ops::Range;
@@ -7,12 +7,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use serde::Serialize;
+use kvtier_core::KvGeometry;
 
-use kvtier_store::HostTier;
-
-use crate::transfer_timing::TimingRecorder;
-use crate::worker_pool::{ChunkedJob, JobToken, JobTracker, WorkerPool};
+use crate::transfer_timing::{TimingRecorder, TransferTiming};
+use crate::worker_pool::JobToken;
 use crate::{DevicePool, TransferError};
 
 /// How a job's block-layer copies are cut into chunks: layer-major (every chunk of layer 0,
@@ -115,13 +113,15 @@ impl Drop for CancelOnDrop {
     }
 }
 
-/// What finishing a chunk completed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct ChunkDone {
-    /// The chunk was the last of this layer.
-    pub layer_done: Option<u32>,
-    /// The chunk was the last of the job.
-    pub job_done: bool,
+/// What a job hands to the job that continues it (a disk read to the device copy, a host copy
+/// to the disk write): the requester's timing record, cancel flag, in-flight bytes and the
+/// queue's count of active jobs.
+#[derive(Debug)]
+pub(crate) struct Continuation {
+    pub timing: Arc<TimingRecorder>,
+    pub cancelled: Arc<AtomicBool>,
+    pub inflight: Option<InflightBytes>,
+    pub token: Option<JobToken>,
 }
 
 /// State every job has.
@@ -131,35 +131,42 @@ pub(crate) struct JobCore {
     next: AtomicUsize,
     remaining_in_layer: Box<[AtomicUsize]>,
     remaining: AtomicUsize,
-    pub timing: TimingRecorder,
+    pub timing: Arc<TimingRecorder>,
+    /// This job's own copies (`timing` may span several jobs of one request).
+    own: TimingRecorder,
     pub cancelled: Arc<AtomicBool>,
     skipped: AtomicBool,
     error: Mutex<Option<TransferError>>,
     inflight: Mutex<Option<InflightBytes>>,
-    _token: JobToken,
+    token: Mutex<Option<JobToken>>,
 }
 
 impl JobCore {
-    pub(crate) fn new(
-        plan: ChunkPlan,
-        submitted: Instant,
-        cancelled: Arc<AtomicBool>,
-        inflight: InflightBytes,
-        token: JobToken,
-    ) -> Self {
+    pub(crate) fn new(plan: ChunkPlan, parts: Continuation) -> Self {
         Self {
             next: AtomicUsize::new(0),
             remaining_in_layer: (0..plan.layers)
                 .map(|_| AtomicUsize::new(plan.chunks_per_layer))
                 .collect(),
             remaining: AtomicUsize::new(plan.total()),
-            timing: TimingRecorder::new(submitted),
-            cancelled,
+            timing: parts.timing,
+            own: TimingRecorder::new(Instant::now()),
+            cancelled: parts.cancelled,
             skipped: AtomicBool::new(false),
             error: Mutex::new(None),
-            inflight: Mutex::new(Some(inflight)),
-            _token: token,
+            inflight: Mutex::new(parts.inflight),
+            token: Mutex::new(parts.token),
             plan,
+        }
+    }
+
+    /// Hands the requester's state on to the job that continues this one.
+    pub(crate) fn continuation(&self) -> Continuation {
+        Continuation {
+            timing: Arc::clone(&self.timing),
+            cancelled: Arc::clone(&self.cancelled),
+            inflight: lock(&self.inflight).take(),
+            token: lock(&self.token).take(),
         }
     }
 
@@ -169,48 +176,59 @@ impl JobCore {
     }
 
     /// Runs `copy(block_index, layer)` for every block of chunk `c` (unless the job was
-    /// cancelled or already failed), records the timing, and says what the chunk completed.
+    /// cancelled or already failed) and records the timing; if the chunk completed its layer,
+    /// calls `layer_done(layer)`. Returns whether it was the job's last chunk.
+    ///
+    /// `layer_done` runs before the chunk counts as finished, so the thread that finishes the
+    /// job knows every layer report has been made: a "layer ready" can never follow "done".
     pub(crate) fn run_chunk(
         &self,
         c: usize,
         mut copy: impl FnMut(usize, u32) -> Result<(), TransferError>,
-    ) -> ChunkDone {
+        layer_done: impl FnOnce(u32),
+    ) -> bool {
         let (layer, range) = self.plan.locate(c);
         if self.cancelled.load(Ordering::Acquire) || self.failed() {
             self.skipped.store(true, Ordering::Release);
         } else {
             let start = Instant::now();
             let result = range.into_iter().try_for_each(|b| copy(b, layer));
-            self.timing.record(start, Instant::now());
+            let end = Instant::now();
+            self.timing.record(start, end);
+            self.own.record(start, end);
             if let Err(e) = result {
-                self.lock_error().get_or_insert(e);
+                lock(&self.error).get_or_insert(e);
             }
         }
-        let layer_done =
-            (self.remaining_in_layer[layer as usize].fetch_sub(1, Ordering::AcqRel) == 1).then_some(layer);
-        ChunkDone {
-            layer_done,
-            job_done: self.remaining.fetch_sub(1, Ordering::AcqRel) == 1,
+        if self.remaining_in_layer[layer as usize].fetch_sub(1, Ordering::AcqRel) == 1 {
+            layer_done(layer);
         }
+        self.remaining.fetch_sub(1, Ordering::AcqRel) == 1
+    }
+
+    /// Nanoseconds this job's chunks spent copying.
+    pub(crate) fn busy_ns(&self) -> u64 {
+        self.own.snapshot().active.as_nanos() as u64
+    }
+
+    /// This job's own copies, without the other jobs of its request.
+    pub(crate) fn own_timing(&self) -> TransferTiming {
+        self.own.snapshot()
     }
 
     /// Gives the job's bytes back to the queue's in-flight bound (at completion, before the
     /// requester hears of it).
     pub(crate) fn release_inflight(&self) {
-        self.inflight.lock().unwrap_or_else(|e| e.into_inner()).take();
-    }
-
-    fn lock_error(&self) -> std::sync::MutexGuard<'_, Option<TransferError>> {
-        self.error.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.inflight).take();
     }
 
     fn failed(&self) -> bool {
-        self.lock_error().is_some()
+        lock(&self.error).is_some()
     }
 
-    /// Once the job is done: its first copy error, or `ShutDown`-like cancellation, if any.
+    /// Once the job is done: its first copy error, or cancellation, if any.
     pub(crate) fn outcome(&self) -> Result<(), TransferError> {
-        if let Some(e) = self.lock_error().take() {
+        if let Some(e) = lock(&self.error).take() {
             return Err(e);
         }
         if self.skipped.load(Ordering::Acquire) {
@@ -220,20 +238,26 @@ impl JobCore {
     }
 }
 
+/// Locks a mutex, carrying on after a panic elsewhere (the data are plain counters and lists
+/// that stay consistent between statements).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Checks what every request must satisfy: blocks present, pool and host tier of one geometry,
 /// every slot in range and used once.
 pub(crate) fn validate_request(
     queue: &'static str,
     pool: &dyn DevicePool,
-    host: &HostTier,
+    geometry: &KvGeometry,
     slots: impl ExactSizeIterator<Item = u32>,
 ) -> Result<(), TransferError> {
     if slots.len() == 0 {
         return Err(TransferError::EmptyRequest { queue });
     }
-    if pool.geometry() != host.geometry() {
+    if pool.geometry() != geometry {
         return Err(TransferError::GeometryMismatch {
-            expected: *host.geometry(),
+            expected: *geometry,
             actual: *pool.geometry(),
         });
     }
@@ -245,198 +269,6 @@ pub(crate) fn validate_request(
         }
     }
     Ok(())
-}
-
-/// What a load queue and a store queue share: workers, counters, the job tracker, the
-/// in-flight bound and the chunk size.
-#[derive(Debug)]
-pub(crate) struct QueueCore {
-    name: &'static str,
-    workers: WorkerPool,
-    pub counters: Arc<QueueCounters>,
-    tracker: Arc<JobTracker>,
-    limit_bytes: u64,
-    pub chunk_bytes: usize,
-}
-
-impl QueueCore {
-    pub(crate) fn new(
-        name: &'static str,
-        threads: usize,
-        nice: i32,
-        limit_bytes: u64,
-        chunk_bytes: usize,
-    ) -> Result<Self, TransferError> {
-        Ok(Self {
-            name,
-            workers: WorkerPool::new(name, threads, nice).map_err(TransferError::Spawn)?,
-            counters: Arc::default(),
-            tracker: Arc::default(),
-            limit_bytes,
-            chunk_bytes,
-        })
-    }
-
-    /// Admits `bytes` of a request of `blocks` blocks against the in-flight bound; a refusal
-    /// is counted.
-    pub(crate) fn admit(&self, bytes: u64, blocks: usize) -> Result<InflightBytes, TransferError> {
-        InflightBytes::admit(self.name, &self.counters.inflight_bytes, bytes, self.limit_bytes).inspect_err(
-            |_| {
-                self.counters.rejected_requests.fetch_add(1, Ordering::Relaxed);
-                self.counters
-                    .rejected_blocks
-                    .fetch_add(blocks as u64, Ordering::Relaxed);
-            },
-        )
-    }
-
-    /// The shared state of a new job, counted by the queue's tracker until it is dropped.
-    pub(crate) fn job_core(
-        &self,
-        plan: ChunkPlan,
-        submitted: Instant,
-        cancelled: Arc<AtomicBool>,
-        inflight: InflightBytes,
-    ) -> JobCore {
-        self.counters.submitted.fetch_add(1, Ordering::Relaxed);
-        JobCore::new(plan, submitted, cancelled, inflight, self.tracker.start())
-    }
-
-    /// Hands `job` to the workers, or finishes it at once if it has nothing to copy.
-    pub(crate) fn launch(&self, job: Arc<dyn ChunkedJob>) {
-        if job.chunks() == 0 {
-            job.finish();
-        } else {
-            self.workers.submit(job);
-        }
-    }
-
-    pub(crate) fn stats(&self) -> QueueStats {
-        self.counters.snapshot(
-            self.workers.threads(),
-            self.workers.queued(),
-            self.tracker.active(),
-        )
-    }
-
-    pub(crate) fn threads(&self) -> usize {
-        self.workers.threads()
-    }
-
-    pub(crate) fn wait_idle(&self) {
-        self.tracker.wait_idle();
-    }
-}
-
-/// Counters of one queue, updated by submitters and workers.
-#[derive(Debug, Default)]
-pub(crate) struct QueueCounters {
-    pub submitted: AtomicU64,
-    pub completed: AtomicU64,
-    pub cancelled: AtomicU64,
-    pub failed: AtomicU64,
-    pub rejected_requests: AtomicU64,
-    pub rejected_blocks: AtomicU64,
-    pub blocks: AtomicU64,
-    pub bytes: AtomicU64,
-    pub active_ns: AtomicU64,
-    pub missing_blocks: AtomicU64,
-    pub no_space_blocks: AtomicU64,
-    pub already_stored_blocks: AtomicU64,
-    pub inflight_bytes: Arc<AtomicU64>,
-}
-
-/// A snapshot of one queue's counters and gauges.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct QueueStats {
-    /// Worker threads serving the queue.
-    pub threads: usize,
-    /// Requests accepted.
-    pub submitted_total: u64,
-    /// Requests whose copies all finished.
-    pub completed_total: u64,
-    /// Requests abandoned by their requester before finishing.
-    pub cancelled_total: u64,
-    /// Requests that failed on a copy error.
-    pub failed_total: u64,
-    /// Requests refused at admission because the queue was full.
-    pub rejected_requests_total: u64,
-    /// Blocks in those refused requests.
-    pub rejected_blocks_total: u64,
-    /// Blocks copied.
-    pub blocks_total: u64,
-    /// Bytes copied.
-    pub bytes_total: u64,
-    /// Sum of copy durations, in nanoseconds.
-    pub active_ns_total: u64,
-    /// Load blocks asked for that were not resident (reported to the requester).
-    pub missing_blocks_total: u64,
-    /// Store blocks dropped because the host tier had no evictable page.
-    pub no_space_blocks_total: u64,
-    /// Store blocks skipped because they were already stored (or being stored).
-    pub already_stored_blocks_total: u64,
-    /// Bytes admitted and not yet finished.
-    pub inflight_bytes: u64,
-    /// Requests queued and not yet fully claimed by a worker.
-    pub queued_requests: usize,
-    /// Requests queued or running.
-    pub active_requests: usize,
-}
-
-impl QueueStats {
-    /// Store blocks that were not stored for lack of room: refused at admission or with no
-    /// evictable page. The benchmark's `dropped_stores`.
-    pub fn dropped_blocks_total(&self) -> u64 {
-        self.rejected_blocks_total + self.no_space_blocks_total
-    }
-}
-
-impl QueueCounters {
-    pub(crate) fn snapshot(&self, threads: usize, queued: usize, active: usize) -> QueueStats {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        QueueStats {
-            threads,
-            submitted_total: l(&self.submitted),
-            completed_total: l(&self.completed),
-            cancelled_total: l(&self.cancelled),
-            failed_total: l(&self.failed),
-            rejected_requests_total: l(&self.rejected_requests),
-            rejected_blocks_total: l(&self.rejected_blocks),
-            blocks_total: l(&self.blocks),
-            bytes_total: l(&self.bytes),
-            active_ns_total: l(&self.active_ns),
-            missing_blocks_total: l(&self.missing_blocks),
-            no_space_blocks_total: l(&self.no_space_blocks),
-            already_stored_blocks_total: l(&self.already_stored_blocks),
-            inflight_bytes: l(&self.inflight_bytes),
-            queued_requests: queued,
-            active_requests: active,
-        }
-    }
-
-    /// Accounts a finished job.
-    pub(crate) fn finish(
-        &self,
-        outcome: &Result<(), TransferError>,
-        blocks: u64,
-        bytes: u64,
-        active_ns: u64,
-    ) {
-        self.active_ns.fetch_add(active_ns, Ordering::Relaxed);
-        match outcome {
-            Ok(()) => {
-                self.completed.fetch_add(1, Ordering::Relaxed);
-                self.blocks.fetch_add(blocks, Ordering::Relaxed);
-                self.bytes.fetch_add(bytes, Ordering::Relaxed);
-            }
-            Err(TransferError::Cancelled) => {
-                self.cancelled.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(_) => {
-                self.failed.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-    }
 }
 
 #[cfg(test)]

@@ -110,10 +110,9 @@ impl WorkerPool {
         self.handles.len()
     }
 
-    /// Queues a job behind the ones already there and wakes the workers.
-    pub(crate) fn submit(&self, job: Arc<dyn ChunkedJob>) {
-        self.lock_queue().push_back(job);
-        self.shared.wake.notify_all();
+    /// A handle that queues jobs on these workers (held by jobs that continue in another job).
+    pub(crate) fn handle(&self) -> WorkerHandle {
+        WorkerHandle(Arc::clone(&self.shared))
     }
 
     /// Jobs queued and not yet fully claimed.
@@ -126,12 +125,61 @@ impl WorkerPool {
     }
 }
 
+/// Queues jobs on a [`WorkerPool`]; after the pool shut down, jobs are dropped instead (which
+/// releases what they hold and tells their requesters).
+#[derive(Clone)]
+pub(crate) struct WorkerHandle(Arc<Shared>);
+
+impl fmt::Debug for WorkerHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("WorkerHandle")
+    }
+}
+
+impl WorkerHandle {
+    /// Queues `job` behind the ones already there, or finishes it at once if it has no chunks.
+    pub(crate) fn launch(&self, job: Arc<dyn ChunkedJob>) {
+        self.enqueue(job, false);
+    }
+
+    /// Queues `job` ahead of every queued job: the next phase of a request that was already
+    /// at the head (a load's device copies after its disk reads), so requests still finish in
+    /// the order they came.
+    pub(crate) fn launch_first(&self, job: Arc<dyn ChunkedJob>) {
+        self.enqueue(job, true);
+    }
+
+    fn enqueue(&self, job: Arc<dyn ChunkedJob>, first: bool) {
+        if job.chunks() == 0 {
+            job.finish();
+            return;
+        }
+        let mut q = self.0.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if self.0.shutdown.load(Ordering::Acquire) {
+            drop(q);
+            drop(job);
+            return;
+        }
+        if first {
+            q.push_front(job);
+        } else {
+            q.push_back(job);
+        }
+        drop(q);
+        self.0.wake.notify_all();
+    }
+}
+
 impl Drop for WorkerPool {
     /// Stops the workers after their current chunk; queued jobs are discarded, which releases
     /// their pins and pages and tells their requesters the queue shut down.
     fn drop(&mut self) {
-        self.shared.shutdown.store(true, Ordering::Release);
-        let discarded: Vec<_> = self.lock_queue().drain(..).collect();
+        let discarded: Vec<_> = {
+            let mut q = self.lock_queue();
+            // Under the queue lock, so no handle can queue a job after the drain.
+            self.shared.shutdown.store(true, Ordering::Release);
+            q.drain(..).collect()
+        };
         self.shared.wake.notify_all();
         for h in self.handles.drain(..) {
             let _ = h.join();

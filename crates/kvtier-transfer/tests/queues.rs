@@ -1,125 +1,15 @@
 //! The duplex queues against a real host tier and a real shared-memory device pool.
 
+mod common;
+
 use std::sync::Arc;
 
-use kvtier_core::{BlockHasher, BlockKey, ByteSize, Dtype, KvGeometry, NamespaceFingerprint};
-use kvtier_store::{EvictionKind, HostTier, HostTierConfig};
+use common::*;
+use kvtier_core::{ByteSize, Dtype, KvGeometry};
 use kvtier_transfer::{
     CpuDevicePool, DevicePool, LoadBlock, LoadEvent, StoreBlock, TransferConfig, TransferError,
-    TransferQueues,
 };
 use proptest::prelude::*;
-
-const NS: NamespaceFingerprint = NamespaceFingerprint(0xfeed);
-
-struct Rig {
-    geometry: KvGeometry,
-    host: HostTier,
-    pool: Arc<CpuDevicePool>,
-    dyn_pool: Arc<dyn DevicePool>,
-    queues: TransferQueues,
-}
-
-fn rig(geometry: KvGeometry, host_blocks: u64, slots: u32, config: TransferConfig) -> Rig {
-    let page = geometry.bytes_per_block().next_multiple_of(4096) as u64;
-    let host = HostTier::new(
-        geometry,
-        &HostTierConfig {
-            capacity: ByteSize(page * host_blocks),
-            eviction: EvictionKind::S3fifo,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let pool = Arc::new(CpuDevicePool::create(None, geometry, slots).unwrap());
-    let dyn_pool: Arc<dyn DevicePool> = pool.clone();
-    Rig {
-        geometry,
-        host,
-        pool,
-        dyn_pool,
-        queues: TransferQueues::new(&config).unwrap(),
-    }
-}
-
-/// Deterministic KV bytes for (key, layer), distinct per block and layer.
-fn kv(key: BlockKey, layer: u32, len: usize) -> Vec<u8> {
-    let mut x = (key.0 as u64) ^ (u64::from(layer) << 56) ^ 0x9e37_79b9_7f4a_7c15;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
-fn keys(n: usize, seed: u32, block_tokens: u32) -> Vec<BlockKey> {
-    let tokens: Vec<u32> = (0..n as u32 * block_tokens)
-        .map(|t| t ^ seed.wrapping_mul(2654435761))
-        .collect();
-    BlockHasher::new(NS, block_tokens).keys(&tokens)
-}
-
-fn chain_blocks(keys: &[BlockKey], first_slot: u32) -> Vec<StoreBlock> {
-    keys.iter()
-        .enumerate()
-        .map(|(i, &key)| StoreBlock {
-            key,
-            parent: i.checked_sub(1).map(|p| keys[p]),
-            slot: first_slot + i as u32,
-        })
-        .collect()
-}
-
-impl Rig {
-    fn write_slots(&self, keys: &[BlockKey], first_slot: u32) {
-        let bl = self.geometry.bytes_per_block_layer();
-        for (i, &k) in keys.iter().enumerate() {
-            for layer in 0..self.geometry.layers() {
-                self.pool
-                    .write_slot_layer(first_slot + i as u32, layer, &kv(k, layer, bl))
-                    .unwrap();
-            }
-        }
-    }
-
-    fn assert_slots(&self, keys: &[BlockKey], first_slot: u32) {
-        let bl = self.geometry.bytes_per_block_layer();
-        let mut buf = vec![0u8; bl];
-        for (i, &k) in keys.iter().enumerate() {
-            for layer in 0..self.geometry.layers() {
-                self.pool
-                    .read_slot_layer(first_slot + i as u32, layer, &mut buf)
-                    .unwrap();
-                assert!(
-                    buf == kv(k, layer, bl),
-                    "slot {} layer {layer} differs",
-                    first_slot + i as u32
-                );
-            }
-        }
-    }
-
-    fn scrub(&self, first_slot: u32, n: usize) {
-        for s in first_slot..first_slot + n as u32 {
-            for layer in 0..self.geometry.layers() {
-                self.pool.fill_slot_layer(s, layer, 0xa5).unwrap();
-            }
-        }
-    }
-
-    fn load_blocks(keys: &[BlockKey], first_slot: u32) -> Vec<LoadBlock> {
-        keys.iter()
-            .enumerate()
-            .map(|(i, &key)| LoadBlock {
-                key,
-                slot: first_slot + i as u32,
-            })
-            .collect()
-    }
-}
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
@@ -145,18 +35,19 @@ proptest! {
         });
         let ks = keys(n, layers * 1000 + n as u32, block_tokens);
         r.write_slots(&ks, 0);
-        let report = r.queues.store.submit(&r.dyn_pool, &r.host, NS, &chain_blocks(&ks, 0)).unwrap().wait().unwrap();
+        let report = r.queues.store.submit(&r.dyn_pool, &r.store, NS, &chain_blocks(&ks, 0)).unwrap().wait().unwrap();
         prop_assert_eq!(report.stored_blocks, n);
         prop_assert_eq!(report.bytes, (n * g.bytes_per_block()) as u64);
         prop_assert_eq!(r.host.match_prefix(NS, &ks).len(), n);
         // Load into other slots, after scrubbing them.
         r.scrub(n as u32, n);
-        let mut ticket = r.queues.load.submit(&r.dyn_pool, &r.host, NS, &Rig::load_blocks(&ks, n as u32)).unwrap();
+        let mut ticket = r.queues.load.submit(&r.dyn_pool, &r.store, NS, &Rig::load_blocks(&ks, n as u32)).unwrap();
         let mut layers_seen = Vec::new();
         let report = loop {
             match ticket.next_event().unwrap() {
                 LoadEvent::LayerReady { layer } => layers_seen.push(layer),
                 LoadEvent::Done(r) => break r.unwrap(),
+                LoadEvent::Missing { keys } => panic!("nothing is on disk, yet {keys:?} missing"),
             }
         };
         prop_assert_eq!(layers_seen, (0..layers).collect::<Vec<_>>(), "one event per layer, in order");
@@ -177,14 +68,14 @@ fn missing_blocks_are_reported_not_skipped() {
     r.write_slots(&ks[..3], 0);
     r.queues
         .store
-        .submit(&r.dyn_pool, &r.host, NS, &chain_blocks(&ks[..3], 0))
+        .submit(&r.dyn_pool, &r.store, NS, &chain_blocks(&ks[..3], 0))
         .unwrap()
         .wait()
         .unwrap();
     let ticket = r
         .queues
         .load
-        .submit(&r.dyn_pool, &r.host, NS, &Rig::load_blocks(&ks, 8))
+        .submit(&r.dyn_pool, &r.store, NS, &Rig::load_blocks(&ks, 8))
         .unwrap();
     assert_eq!(ticket.missing(), &ks[3..]);
     let report = ticket.wait().unwrap();
@@ -196,7 +87,7 @@ fn missing_blocks_are_reported_not_skipped() {
     let report = r
         .queues
         .load
-        .submit(&r.dyn_pool, &r.host, NS, &Rig::load_blocks(&other, 0))
+        .submit(&r.dyn_pool, &r.store, NS, &Rig::load_blocks(&other, 0))
         .unwrap()
         .wait()
         .unwrap();
@@ -214,11 +105,16 @@ fn bad_requests_are_refused_and_hold_nothing() {
     r.write_slots(&ks, 0);
     r.queues
         .store
-        .submit(&r.dyn_pool, &r.host, NS, &chain_blocks(&ks, 0))
+        .submit(&r.dyn_pool, &r.store, NS, &chain_blocks(&ks, 0))
         .unwrap()
         .wait()
         .unwrap();
-    let load = |blocks: &[LoadBlock]| r.queues.load.submit(&r.dyn_pool, &r.host, NS, blocks).map(|_| ());
+    let load = |blocks: &[LoadBlock]| {
+        r.queues
+            .load
+            .submit(&r.dyn_pool, &r.store, NS, blocks)
+            .map(|_| ())
+    };
     assert!(matches!(
         load(&[]),
         Err(TransferError::EmptyRequest { queue: "load" })
@@ -243,7 +139,7 @@ fn bad_requests_are_refused_and_hold_nothing() {
     let store = |blocks: &[StoreBlock]| {
         r.queues
             .store
-            .submit(&r.dyn_pool, &r.host, NS, blocks)
+            .submit(&r.dyn_pool, &r.store, NS, blocks)
             .map(|_| ())
     };
     assert!(matches!(
@@ -263,7 +159,7 @@ fn bad_requests_are_refused_and_hold_nothing() {
     let e = r
         .queues
         .load
-        .submit(&other, &r.host, NS, &[LoadBlock { key: ks[0], slot: 0 }])
+        .submit(&other, &r.store, NS, &[LoadBlock { key: ks[0], slot: 0 }])
         .unwrap_err();
     assert!(matches!(e, TransferError::GeometryMismatch { .. }), "{e}");
     let s = r.host.stats();
@@ -293,7 +189,7 @@ fn a_requester_that_goes_away_releases_its_pins_and_pages() {
     r.write_slots(&ks, 0);
     r.queues
         .store
-        .submit(&r.dyn_pool, &r.host, NS, &chain_blocks(&ks, 0))
+        .submit(&r.dyn_pool, &r.store, NS, &chain_blocks(&ks, 0))
         .unwrap()
         .wait()
         .unwrap();
@@ -302,7 +198,7 @@ fn a_requester_that_goes_away_releases_its_pins_and_pages() {
         let t = r
             .queues
             .load
-            .submit(&r.dyn_pool, &r.host, NS, &Rig::load_blocks(&ks, n as u32))
+            .submit(&r.dyn_pool, &r.store, NS, &Rig::load_blocks(&ks, n as u32))
             .unwrap();
         drop(t);
     }
@@ -312,7 +208,7 @@ fn a_requester_that_goes_away_releases_its_pins_and_pages() {
         if let Ok(t) = r
             .queues
             .store
-            .submit(&r.dyn_pool, &r.host, NS, &chain_blocks(&fresh, n as u32))
+            .submit(&r.dyn_pool, &r.store, NS, &chain_blocks(&fresh, n as u32))
         {
             drop(t);
         }
@@ -363,7 +259,7 @@ fn a_full_store_queue_drops_and_counts_instead_of_waiting() {
         match r
             .queues
             .store
-            .submit(&r.dyn_pool, &r.host, NS, &chain_blocks(chunk, i as u32 * 4))
+            .submit(&r.dyn_pool, &r.store, NS, &chain_blocks(chunk, i as u32 * 4))
         {
             Ok(t) => tickets.push(t),
             Err(TransferError::QueueFull {
@@ -397,7 +293,7 @@ fn a_full_host_tier_drops_stores_with_no_space() {
     let report = r
         .queues
         .store
-        .submit(&r.dyn_pool, &r.host, NS, &blocks[..4])
+        .submit(&r.dyn_pool, &r.store, NS, &blocks[..4])
         .unwrap()
         .wait()
         .unwrap();
@@ -406,7 +302,7 @@ fn a_full_host_tier_drops_stores_with_no_space() {
     let report = r
         .queues
         .store
-        .submit(&r.dyn_pool, &r.host, NS, &blocks[4..])
+        .submit(&r.dyn_pool, &r.store, NS, &blocks[4..])
         .unwrap()
         .wait()
         .unwrap();
@@ -416,7 +312,7 @@ fn a_full_host_tier_drops_stores_with_no_space() {
     let report = r
         .queues
         .store
-        .submit(&r.dyn_pool, &r.host, NS, &blocks[..4])
+        .submit(&r.dyn_pool, &r.store, NS, &blocks[..4])
         .unwrap()
         .wait()
         .unwrap();
@@ -451,7 +347,7 @@ fn concurrent_loads_and_stores_from_many_threads_verify() {
                     let store = r
                         .queues
                         .store
-                        .submit(&r.dyn_pool, &r.host, NS, &chain_blocks(&ks, base))
+                        .submit(&r.dyn_pool, &r.store, NS, &chain_blocks(&ks, base))
                         .unwrap();
                     // Meanwhile load the previous round's blocks.
                     if round > 0 {
@@ -462,7 +358,7 @@ fn concurrent_loads_and_stores_from_many_threads_verify() {
                             .load
                             .submit(
                                 &r.dyn_pool,
-                                &r.host,
+                                &r.store,
                                 NS,
                                 &Rig::load_blocks(&prev, base + per as u32),
                             )

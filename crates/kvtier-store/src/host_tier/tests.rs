@@ -132,7 +132,9 @@ fn bad_layer_and_buffer_sizes_are_named() {
     ));
     w.commit();
     let missing = chain(2, 9)[1];
-    assert!(matches!(t.pin_all(NS, &[k, missing]), Err(StoreError::NotFound { key }) if key == missing));
+    assert!(
+        matches!(t.pin_all(NS, &[k, missing]), Err(StoreError::NotFound { key, tier: "host" }) if key == missing)
+    );
     assert_eq!(t.stats().pinned_pages, 0, "a failed pin_all holds nothing");
 }
 
