@@ -141,6 +141,10 @@ fn disk_child() {
                 disk.direct_io()
             );
         }
+        "readonly" => match DiskTier::open(geo(), &disk_cfg(Path::new(&dir))) {
+            Ok(_) => println!("\nKVTIER-OPENED"),
+            Err(e) => println!("\nKVTIER-REFUSED {e}"),
+        },
         _ => panic!("unknown role {role}"),
     }
 }
@@ -149,6 +153,16 @@ fn disk_child() {
 /// (a user namespace too when not root) with a tmpfs of that size mounted on `dir`: a real,
 /// small, full-able file system that nothing outside the child sees.
 fn spawn(role: &str, dir: &Path, tmpfs_bytes: Option<u64>) -> std::process::Child {
+    spawn_with(role, dir, tmpfs_bytes, 0)
+}
+
+/// As [`spawn`], mounting the tmpfs with `mount_flags` (e.g. `MS_RDONLY`).
+fn spawn_with(
+    role: &str,
+    dir: &Path,
+    tmpfs_bytes: Option<u64>,
+    mount_flags: libc::c_ulong,
+) -> std::process::Child {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args([
         "--exact",
@@ -207,7 +221,7 @@ fn spawn(role: &str, dir: &Path, tmpfs_bytes: Option<u64>) -> std::process::Chil
                         tmpfs.as_ptr(),
                         target.as_ptr(),
                         tmpfs.as_ptr(),
-                        0,
+                        mount_flags,
                         options.as_ptr().cast(),
                     ) != 0
                 {
@@ -314,4 +328,20 @@ fn a_full_file_system_fails_stores_clearly_and_loads_keep_working() {
     let verified = find("VERIFIED ");
     assert_eq!(field(&verified, "loaded"), ok.to_string(), "{verified}");
     assert_eq!(field(&verified, "entries"), ok.to_string(), "{verified}");
+}
+
+#[test]
+fn a_read_only_directory_is_a_clear_error_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = spawn_with("readonly", dir.path(), Some(1 << 20), libc::MS_RDONLY);
+    let lines: Vec<String> = marker_lines(&mut child).collect();
+    assert!(child.wait().unwrap().success(), "{lines:?}");
+    let refused = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("REFUSED "))
+        .unwrap_or_else(|| panic!("the tier opened on a read-only file system: {lines:?}"));
+    assert!(
+        refused.contains("disk tier directory") && refused.contains("Read-only file system"),
+        "{refused}"
+    );
 }
