@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use kvtier_bench::{BenchTier, OffloadConfig, ProgressBar, RecoveryConfig, run_offload, run_recovery};
 use kvtier_core::{BlockHasher, ByteSize, Dtype, KvGeometry, Namespace};
+use kvtier_server::ServerConfig;
 use kvtier_store::{DirectIo, EvictionKind};
 use kvtier_transfer::TransferConfig;
 
@@ -32,6 +33,48 @@ enum Command {
     /// Print the namespace fingerprint and chained block keys of a token sequence, as every
     /// kvtier client must compute them.
     Keys(KeysArgs),
+    /// Run the gRPC sidecar: host (and disk) tiers and transfer queues behind the
+    /// kvtier.v1.KvTier service on a Unix socket (and optionally TCP), with a Prometheus
+    /// exporter. Configuration: defaults < --config FILE < KVTIER_* variables < flags.
+    Serve(ServeArgs),
+    /// Ask a running sidecar whether it serves (grpc.health.v1); exit 0 if SERVING, 1 if not
+    /// (for readiness probes).
+    Health(HealthArgs),
+}
+
+#[derive(Debug, Args)]
+struct HealthArgs {
+    /// The sidecar: unix:///path/to/kvtier.sock or http://host:port (default: the default
+    /// socket).
+    target: Option<String>,
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// TOML configuration file (also KVTIER_CONFIG).
+    #[arg(long, env = "KVTIER_CONFIG")]
+    config: Option<PathBuf>,
+    /// Unix socket path (sets server.socket).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// TCP address, e.g. 127.0.0.1:50051 (sets server.tcp).
+    #[arg(long)]
+    tcp: Option<String>,
+    /// Prometheus exporter address, or "off" (sets server.metrics).
+    #[arg(long)]
+    metrics: Option<String>,
+    /// Host tier size, e.g. 8GiB (sets host.capacity).
+    #[arg(long)]
+    host_capacity: Option<ByteSize>,
+    /// Disk tier directory (sets disk.dir; enables the disk tier).
+    #[arg(long)]
+    disk_dir: Option<PathBuf>,
+    /// Any setting as key.path=value (repeatable), e.g. --set model.layers=1.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Print the effective configuration as TOML and exit.
+    #[arg(long)]
+    print_config: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -211,6 +254,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Offload(a)) => bench_offload(a),
         Command::Bench(BenchCommand::Recovery(a)) => bench_recovery(a),
         Command::Keys(a) => keys(a),
+        Command::Serve(a) => serve(a),
+        Command::Health(a) => health(a),
     }
 }
 
@@ -301,6 +346,96 @@ fn print_report<R: serde::Serialize>(
         }
     }
     Ok(())
+}
+
+fn serve(a: ServeArgs) -> Result<()> {
+    let mut overrides = Vec::new();
+    let quote = |s: &str| format!("{s:?}");
+    if let Some(s) = &a.socket {
+        overrides.push(format!("server.socket={}", quote(&s.display().to_string())));
+    }
+    if let Some(t) = &a.tcp {
+        overrides.push(format!("server.tcp={}", quote(t)));
+    }
+    if let Some(m) = &a.metrics {
+        overrides.push(format!("server.metrics={}", quote(m)));
+    }
+    if let Some(c) = a.host_capacity {
+        overrides.push(format!("host.capacity={}", quote(&c.to_string())));
+    }
+    if let Some(d) = &a.disk_dir {
+        overrides.push(format!("disk.dir={}", quote(&d.display().to_string())));
+    }
+    overrides.extend(a.set.iter().cloned());
+    let config = ServerConfig::load(a.config.as_deref(), std::env::vars(), &overrides)?;
+    if a.print_config {
+        print!("{}", config.to_toml());
+        return Ok(());
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("kvtier-rpc")
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let server = tokio::spawn(kvtier_server::serve(config, shutdown_signal(), Some(ready_tx)));
+        if let Ok(info) = ready_rx.await {
+            eprintln!(
+                "kvtier: serving {} on unix://{}{}{}",
+                info.state.geometry,
+                info.socket.display(),
+                info.tcp.map(|t| format!(" and tcp://{t}")).unwrap_or_default(),
+                info.metrics
+                    .map(|m| format!("; metrics on http://{m}/metrics"))
+                    .unwrap_or_default(),
+            );
+        }
+        server.await.context("the server task failed")??;
+        anyhow::Ok(())
+    })
+}
+
+fn health(a: HealthArgs) -> Result<()> {
+    let target = match a.target {
+        Some(t) => t,
+        None => format!("unix://{}", ServerConfig::default().server.socket.display()),
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let channel = kvtier_client::channel(&target).await?;
+        let mut client = tonic_health::pb::health_client::HealthClient::new(channel);
+        let status = client
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: "kvtier.v1.KvTier".into(),
+            })
+            .await
+            .map_err(|s| anyhow::anyhow!("{target}: {}", s.message()))?
+            .into_inner()
+            .status();
+        println!("{target}: {}", status.as_str_name());
+        anyhow::ensure!(
+            status == tonic_health::pb::health_check_response::ServingStatus::Serving,
+            "{target} is not serving"
+        );
+        Ok(())
+    })
+}
+
+/// Resolves on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+    else {
+        // Without signal handlers, run until killed.
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
 }
 
 fn keys(a: KeysArgs) -> Result<()> {

@@ -84,6 +84,9 @@ pub enum TransferError {
     /// Worker threads could not be started.
     #[error("cannot start transfer worker threads: {0}")]
     Spawn(#[source] std::io::Error),
+    /// The caller's deadline passed before the transfer finished (it was then cancelled).
+    #[error("deadline passed before the transfer finished")]
+    DeadlineExceeded,
     /// The queue was shut down before the transfer finished.
     #[error("transfer queue shut down before the transfer finished")]
     ShutDown,

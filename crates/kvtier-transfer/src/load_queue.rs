@@ -93,6 +93,27 @@ impl LoadTicket {
         Some(ev)
     }
 
+    /// Like [`LoadTicket::next_event`], but gives up at `deadline`.
+    ///
+    /// # Errors
+    /// [`TransferError::DeadlineExceeded`] if no event came in time (the ticket is still
+    /// armed: dropping it cancels the load).
+    pub fn next_event_until(&mut self, deadline: Instant) -> Result<Option<LoadEvent>, TransferError> {
+        if !self.cancel.armed() {
+            return Ok(None);
+        }
+        let timeout = deadline.saturating_duration_since(Instant::now());
+        let ev = match self.rx.recv_timeout(timeout) {
+            Ok(ev) => ev,
+            Err(mpsc::RecvTimeoutError::Timeout) => return Err(TransferError::DeadlineExceeded),
+            Err(mpsc::RecvTimeoutError::Disconnected) => LoadEvent::Done(Err(TransferError::ShutDown)),
+        };
+        if matches!(ev, LoadEvent::Done(_)) {
+            self.cancel.disarm();
+        }
+        Ok(Some(ev))
+    }
+
     /// Blocks until the load finishes, skipping the other events.
     ///
     /// # Errors

@@ -1,0 +1,565 @@
+//! kvtier-client: what an engine links to use the kvtier sidecar.
+//!
+//! ```no_run
+//! # async fn demo(pool: &kvtier_transfer::CpuDevicePool) -> Result<(), kvtier_client::ClientError> {
+//! let mut kv = kvtier_client::Client::connect("unix:///tmp/kvtier.sock", "engine-0").await?;
+//! let handle = kv.register_cpu_pool(pool, "Qwen/Qwen3-30B-A3B", 0, 1).await?;
+//! let tokens: Vec<u32> = (0..640).collect();
+//! let m = kv.match_tokens(&handle, "", &tokens).await?;
+//! println!("{} of {} tokens cached", m.matched_tokens, tokens.len());
+//! # Ok(()) }
+//! ```
+//!
+//! The session lives as long as the [`Client`]: dropping it (or the process dying) ends the
+//! session, and the sidecar then releases its pins and unregisters its pools.
+#![warn(missing_docs)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use kvtier_core::{BlockHasher, BlockKey, CoreError, Dtype, KvGeometry, Namespace, NamespaceFingerprint};
+use kvtier_server::proto::{self, kv_tier_client::KvTierClient};
+use kvtier_transfer::{CpuDevicePool, DevicePool};
+use tonic::metadata::MetadataValue;
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::{Request, Status};
+
+pub use kvtier_server::proto::{LoadDone, MatchResponse, PinResponse, StoreResponse};
+
+/// Why a client call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// The sidecar could not be reached.
+    #[error("cannot connect to kvtier at {target}: {source}")]
+    Connect {
+        /// What was dialled.
+        target: String,
+        /// Why.
+        source: tonic::transport::Error,
+    },
+    /// The sidecar refused the request (the status names the reason).
+    #[error("kvtier: {}: {}", .0.code(), .0.message())]
+    Status(#[from] Status),
+    /// The sidecar answered something this client did not expect.
+    #[error("kvtier protocol: {0}")]
+    Protocol(String),
+    /// A geometry or namespace error.
+    #[error(transparent)]
+    Core(#[from] CoreError),
+}
+
+/// Adds the bearer token (TCP listeners off loopback require one).
+#[derive(Debug, Clone, Default)]
+pub struct Auth(Option<MetadataValue<tonic::metadata::Ascii>>);
+
+impl Interceptor for Auth {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+type Rpc = KvTierClient<InterceptedService<Channel, Auth>>;
+
+/// A registered device pool: its id and the namespace keys are hashed in.
+#[derive(Debug, Clone)]
+pub struct PoolHandle {
+    /// The sidecar's id for it.
+    pub id: u64,
+    model_id: String,
+    geometry: KvGeometry,
+    tp_rank: u32,
+    tp_size: u32,
+}
+
+impl PoolHandle {
+    /// The namespace of this pool under `salt`.
+    ///
+    /// # Errors
+    /// [`CoreError`] for a salt over 1 KiB.
+    pub fn namespace(&self, salt: &str) -> Result<NamespaceFingerprint, CoreError> {
+        Ok(Namespace::new(
+            self.model_id.clone(),
+            self.geometry,
+            self.tp_rank,
+            self.tp_size,
+            salt,
+        )?
+        .fingerprint())
+    }
+
+    /// The block keys of a token sequence (from token 0), as the sidecar computes them.
+    ///
+    /// # Errors
+    /// As [`PoolHandle::namespace`].
+    pub fn keys(&self, salt: &str, tokens: &[u32]) -> Result<Vec<BlockKey>, CoreError> {
+        Ok(BlockHasher::new(self.namespace(salt)?, self.geometry.block_tokens()).keys(tokens))
+    }
+}
+
+/// Everything a load reported.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOutcome {
+    /// Layers announced ready, in order.
+    pub layers_ready: Vec<u32>,
+    /// Blocks announced missing before the layers (disk reads that failed).
+    pub missing_announced: Vec<BlockKey>,
+    /// The final report.
+    pub done: LoadDone,
+}
+
+/// A connection and a session with the kvtier sidecar.
+#[derive(Debug)]
+pub struct Client {
+    rpc: Rpc,
+    session_id: u64,
+    geometry: KvGeometry,
+    session_task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        // Ends the session stream: the sidecar releases this session's pins and pools.
+        self.session_task.abort();
+    }
+}
+
+fn to_keys(v: &[Vec<u8>]) -> Result<Vec<BlockKey>, ClientError> {
+    v.iter()
+        .map(|k| {
+            BlockKey::from_le_slice(k)
+                .ok_or_else(|| ClientError::Protocol(format!("a key of {} bytes", k.len())))
+        })
+        .collect()
+}
+
+fn geometry_from(g: &proto::KvGeometry) -> Result<KvGeometry, ClientError> {
+    let dtype = match proto::Dtype::try_from(g.dtype) {
+        Ok(proto::Dtype::F32) => Dtype::F32,
+        Ok(proto::Dtype::F16) => Dtype::F16,
+        Ok(proto::Dtype::Bf16) => Dtype::Bf16,
+        Ok(proto::Dtype::Fp8E4m3) => Dtype::Fp8E4m3,
+        Ok(proto::Dtype::Fp8E5m2) => Dtype::Fp8E5m2,
+        _ => return Err(ClientError::Protocol(format!("unknown dtype {}", g.dtype))),
+    };
+    Ok(KvGeometry::new(
+        g.layers,
+        g.kv_heads,
+        g.head_dim,
+        dtype,
+        g.block_tokens,
+    )?)
+}
+
+/// The proto form of a geometry.
+pub fn geometry_to_proto(g: &KvGeometry) -> proto::KvGeometry {
+    let dtype = match g.dtype() {
+        Dtype::F32 => proto::Dtype::F32,
+        Dtype::F16 => proto::Dtype::F16,
+        Dtype::Bf16 => proto::Dtype::Bf16,
+        Dtype::Fp8E4m3 => proto::Dtype::Fp8E4m3,
+        Dtype::Fp8E5m2 => proto::Dtype::Fp8E5m2,
+        _ => proto::Dtype::Unspecified,
+    };
+    proto::KvGeometry {
+        layers: g.layers(),
+        kv_heads: g.kv_heads(),
+        head_dim: g.head_dim(),
+        dtype: dtype as i32,
+        block_tokens: g.block_tokens(),
+    }
+}
+
+/// Opens a channel to `target`: `unix:///path` (or a bare path) for the Unix socket,
+/// `http://host:port` or `https://host:port` for TCP.
+///
+/// # Errors
+/// [`ClientError::Connect`].
+pub async fn channel(target: &str) -> Result<Channel, ClientError> {
+    let err = |source| ClientError::Connect {
+        target: target.to_owned(),
+        source,
+    };
+    if target.starts_with("http://") || target.starts_with("https://") {
+        return Endpoint::from_shared(target.to_owned())
+            .map_err(err)?
+            .connect()
+            .await
+            .map_err(err);
+    }
+    let path = PathBuf::from(target.strip_prefix("unix://").unwrap_or(target));
+    // The URI is required by the API and ignored by the connector.
+    Endpoint::from_static("http://kvtier.sock")
+        .connect_timeout(Duration::from_secs(5))
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let path = path.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+        }))
+        .await
+        .map_err(err)
+}
+
+impl Client {
+    /// Connects and opens a session (see [`channel`] for `target`).
+    ///
+    /// # Errors
+    /// [`ClientError::Connect`], or the sidecar's status.
+    pub async fn connect(target: &str, client_name: &str) -> Result<Self, ClientError> {
+        Self::connect_with_token(target, client_name, None).await
+    }
+
+    /// [`Client::connect`] with a bearer token.
+    ///
+    /// # Errors
+    /// As [`Client::connect`]; [`ClientError::Protocol`] for a token that is not ASCII.
+    pub async fn connect_with_token(
+        target: &str,
+        client_name: &str,
+        token: Option<&str>,
+    ) -> Result<Self, ClientError> {
+        let auth = match token {
+            Some(t) => {
+                Auth(Some(format!("Bearer {t}").parse().map_err(|_| {
+                    ClientError::Protocol("the token is not ASCII".into())
+                })?))
+            }
+            None => Auth(None),
+        };
+        let mut rpc = KvTierClient::with_interceptor(channel(target).await?, auth);
+        let mut events = rpc
+            .open_session(proto::OpenSessionRequest {
+                client_name: client_name.to_owned(),
+            })
+            .await?
+            .into_inner();
+        let first = events
+            .message()
+            .await?
+            .and_then(|e| e.event)
+            .ok_or_else(|| ClientError::Protocol("the session stream ended before it opened".into()))?;
+        let proto::session_event::Event::Opened(opened) = first else {
+            return Err(ClientError::Protocol(
+                "the session stream did not start with Opened".into(),
+            ));
+        };
+        let geometry = geometry_from(
+            opened
+                .geometry
+                .as_ref()
+                .ok_or_else(|| ClientError::Protocol("no geometry in SessionOpened".into()))?,
+        )?;
+        // Keep the session stream open (heartbeats) for the client's lifetime.
+        let session_task = tokio::spawn(async move {
+            while let Ok(Some(_)) = events.message().await {}
+            tracing::debug!("kvtier session stream ended");
+        });
+        Ok(Self {
+            rpc,
+            session_id: opened.session_id,
+            geometry,
+            session_task,
+        })
+    }
+
+    /// The session id.
+    pub fn session_id(&self) -> u64 {
+        self.session_id
+    }
+
+    /// The geometry the sidecar serves.
+    pub fn geometry(&self) -> KvGeometry {
+        self.geometry
+    }
+
+    /// The raw gRPC stub, for calls this client does not wrap.
+    pub fn rpc(&mut self) -> &mut Rpc {
+        &mut self.rpc
+    }
+
+    /// Registers a CPU device pool the engine created (by its shared-memory path).
+    ///
+    /// # Errors
+    /// The sidecar's status (geometry mismatch, file errors, …); [`ClientError::Protocol`] for
+    /// an anonymous pool, which another process cannot open.
+    pub async fn register_cpu_pool(
+        &mut self,
+        pool: &CpuDevicePool,
+        model_id: &str,
+        tp_rank: u32,
+        tp_size: u32,
+    ) -> Result<PoolHandle, ClientError> {
+        let path = pool.path().ok_or_else(|| {
+            ClientError::Protocol("the pool has no file path; create it with a path".into())
+        })?;
+        let geometry = *pool.geometry();
+        let r = self
+            .rpc
+            .register_pool(proto::RegisterPoolRequest {
+                session_id: self.session_id,
+                model_id: model_id.to_owned(),
+                geometry: Some(geometry_to_proto(&geometry)),
+                num_slots: pool.num_slots(),
+                tp_rank,
+                tp_size,
+                location: Some(proto::register_pool_request::Location::ShmPath(
+                    path.display().to_string(),
+                )),
+            })
+            .await?
+            .into_inner();
+        Ok(PoolHandle {
+            id: r.pool_id,
+            model_id: model_id.to_owned(),
+            geometry,
+            tp_rank,
+            tp_size,
+        })
+    }
+
+    /// Unregisters a pool.
+    ///
+    /// # Errors
+    /// The sidecar's status.
+    pub async fn unregister_pool(&mut self, pool: &PoolHandle) -> Result<(), ClientError> {
+        self.rpc
+            .unregister_pool(proto::UnregisterPoolRequest {
+                session_id: self.session_id,
+                pool_id: pool.id,
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Where each leading block of `keys` is.
+    ///
+    /// # Errors
+    /// The sidecar's status.
+    pub async fn match_keys(
+        &mut self,
+        pool: &PoolHandle,
+        salt: &str,
+        keys: &[BlockKey],
+    ) -> Result<MatchResponse, ClientError> {
+        Ok(self
+            .rpc
+            .r#match(proto::MatchRequest {
+                session_id: self.session_id,
+                pool_id: pool.id,
+                cache_salt: salt.to_owned(),
+                keys: keys.iter().map(|k| k.to_le_bytes().to_vec()).collect(),
+                token_ids: Vec::new(),
+            })
+            .await?
+            .into_inner())
+    }
+
+    /// Where each leading block of a token sequence is (the sidecar hashes the tokens).
+    ///
+    /// # Errors
+    /// The sidecar's status.
+    pub async fn match_tokens(
+        &mut self,
+        pool: &PoolHandle,
+        salt: &str,
+        tokens: &[u32],
+    ) -> Result<MatchResponse, ClientError> {
+        Ok(self
+            .rpc
+            .r#match(proto::MatchRequest {
+                session_id: self.session_id,
+                pool_id: pool.id,
+                cache_salt: salt.to_owned(),
+                keys: Vec::new(),
+                token_ids: tokens.to_vec(),
+            })
+            .await?
+            .into_inner())
+    }
+
+    /// Starts a load of `(key, slot)` blocks; the stream yields one event per finished layer,
+    /// then the final report.
+    ///
+    /// # Errors
+    /// The sidecar's status.
+    pub async fn load(
+        &mut self,
+        pool: &PoolHandle,
+        salt: &str,
+        blocks: &[(BlockKey, u32)],
+        deadline: Option<Duration>,
+    ) -> Result<tonic::Streaming<proto::LoadEvent>, ClientError> {
+        Ok(self
+            .rpc
+            .load(proto::LoadRequest {
+                session_id: self.session_id,
+                pool_id: pool.id,
+                cache_salt: salt.to_owned(),
+                blocks: blocks
+                    .iter()
+                    .map(|(k, slot)| proto::BlockSlot {
+                        key: k.to_le_bytes().to_vec(),
+                        slot: *slot,
+                        parent: Vec::new(),
+                    })
+                    .collect(),
+                deadline_ms: deadline.map_or(0, |d| d.as_millis().max(1) as u64),
+            })
+            .await?
+            .into_inner())
+    }
+
+    /// [`Client::load`], collecting every event until the final report.
+    ///
+    /// # Errors
+    /// The sidecar's status, at the start or in the stream.
+    pub async fn load_all(
+        &mut self,
+        pool: &PoolHandle,
+        salt: &str,
+        blocks: &[(BlockKey, u32)],
+        deadline: Option<Duration>,
+    ) -> Result<LoadOutcome, ClientError> {
+        let mut stream = self.load(pool, salt, blocks, deadline).await?;
+        let mut out = LoadOutcome::default();
+        while let Some(ev) = stream.message().await? {
+            match ev.event {
+                Some(proto::load_event::Event::LayerReady(l)) => out.layers_ready.push(l.layer),
+                Some(proto::load_event::Event::Missing(m)) => out.missing_announced.extend(to_keys(&m.keys)?),
+                Some(proto::load_event::Event::Done(d)) => {
+                    out.done = d;
+                    return Ok(out);
+                }
+                None => {}
+            }
+        }
+        Err(ClientError::Protocol(
+            "the load stream ended without a final report".into(),
+        ))
+    }
+
+    /// Stores `(key, parent, slot)` blocks (a sequence in order: each block's parent is the one
+    /// before it). Returns when the device slots may be reused.
+    ///
+    /// # Errors
+    /// The sidecar's status.
+    pub async fn store(
+        &mut self,
+        pool: &PoolHandle,
+        salt: &str,
+        blocks: &[(BlockKey, Option<BlockKey>, u32)],
+    ) -> Result<StoreResponse, ClientError> {
+        Ok(self
+            .rpc
+            .store(proto::StoreRequest {
+                session_id: self.session_id,
+                pool_id: pool.id,
+                cache_salt: salt.to_owned(),
+                blocks: blocks
+                    .iter()
+                    .map(|(k, parent, slot)| proto::BlockSlot {
+                        key: k.to_le_bytes().to_vec(),
+                        slot: *slot,
+                        parent: parent.map(|p| p.to_le_bytes().to_vec()).unwrap_or_default(),
+                    })
+                    .collect(),
+            })
+            .await?
+            .into_inner())
+    }
+
+    /// Reports device residency: blocks now held in slots (`Some(slot)`) or dropped (`None`).
+    /// Returns the blocks the device holds afterwards.
+    ///
+    /// # Errors
+    /// The sidecar's status.
+    pub async fn device_events(
+        &mut self,
+        pool: &PoolHandle,
+        events: &[(BlockKey, Option<u32>)],
+    ) -> Result<u64, ClientError> {
+        use proto::device_event::Kind;
+        let r = self
+            .rpc
+            .device_events(proto::DeviceEventsRequest {
+                session_id: self.session_id,
+                pool_id: pool.id,
+                events: events
+                    .iter()
+                    .map(|(k, slot)| proto::DeviceEvent {
+                        kind: if slot.is_some() {
+                            Kind::Stored
+                        } else {
+                            Kind::Removed
+                        } as i32,
+                        key: k.to_le_bytes().to_vec(),
+                        slot: slot.unwrap_or(0),
+                    })
+                    .collect(),
+            })
+            .await?
+            .into_inner();
+        Ok(r.device_blocks)
+    }
+
+    /// Soft-pins blocks in host memory until [`Client::unpin`], `ttl` or the session's end.
+    ///
+    /// # Errors
+    /// The sidecar's status.
+    pub async fn pin(
+        &mut self,
+        pool: &PoolHandle,
+        salt: &str,
+        keys: &[BlockKey],
+        ttl: Option<Duration>,
+    ) -> Result<PinResponse, ClientError> {
+        Ok(self
+            .rpc
+            .pin(proto::PinRequest {
+                session_id: self.session_id,
+                pool_id: pool.id,
+                cache_salt: salt.to_owned(),
+                keys: keys.iter().map(|k| k.to_le_bytes().to_vec()).collect(),
+                ttl_ms: ttl.map_or(0, |d| d.as_millis().max(1) as u64),
+            })
+            .await?
+            .into_inner())
+    }
+
+    /// Releases a soft pin; returns the blocks released.
+    ///
+    /// # Errors
+    /// The sidecar's status.
+    pub async fn unpin(&mut self, pin_id: u64) -> Result<u32, ClientError> {
+        Ok(self
+            .rpc
+            .unpin(proto::UnpinRequest {
+                session_id: self.session_id,
+                pin_id,
+            })
+            .await?
+            .into_inner()
+            .released_blocks)
+    }
+
+    /// The sidecar's counters.
+    ///
+    /// # Errors
+    /// The sidecar's status.
+    pub async fn stats(&mut self) -> Result<proto::StatsResponse, ClientError> {
+        Ok(self.rpc.stats(proto::StatsRequest {}).await?.into_inner())
+    }
+}
+
+/// The key of each loaded/missing entry in a final report.
+///
+/// # Errors
+/// [`ClientError::Protocol`] for a key that is not 16 bytes.
+pub fn missing_keys(done: &LoadDone) -> Result<Vec<BlockKey>, ClientError> {
+    to_keys(&done.missing)
+}

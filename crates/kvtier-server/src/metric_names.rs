@@ -1,0 +1,106 @@
+//! Every Prometheus metric kvtier exports, defined in one place. Names carry the `kvtier_`
+//! prefix and their unit; labels stay low-cardinality (tier, route, queue, reason, method,
+//! code). `deploy/grafana/kvtier.json` is built on exactly these names.
+
+/// Blocks looked up by Match requests.
+pub const MATCH_LOOKUPS: &str = "kvtier_match_lookup_blocks_total";
+/// Blocks Match found, by `tier` (device, host, disk).
+pub const MATCH_HITS: &str = "kvtier_match_hit_blocks_total";
+/// Bytes moved, by `route` (host_to_device, device_to_host, disk_to_host, host_to_disk).
+pub const TRANSFER_BYTES: &str = "kvtier_transfer_bytes_total";
+/// Blocks moved, by `route`.
+pub const TRANSFER_BLOCKS: &str = "kvtier_transfer_blocks_total";
+/// Seconds from a transfer's first copy to its last, histogram by `route` (host_to_device for
+/// loads, device_to_host for stores).
+pub const TRANSFER_SECONDS: &str = "kvtier_transfer_seconds";
+/// Requests queued or running, by `queue` (load, store).
+pub const QUEUE_DEPTH: &str = "kvtier_queue_depth";
+/// Bytes admitted and not yet finished, by `queue`.
+pub const QUEUE_INFLIGHT_BYTES: &str = "kvtier_queue_inflight_bytes";
+/// Bytes of blocks held, by `tier` (host, disk).
+pub const TIER_USED_BYTES: &str = "kvtier_tier_used_bytes";
+/// Bytes a tier may hold, by `tier`.
+pub const TIER_CAPACITY_BYTES: &str = "kvtier_tier_capacity_bytes";
+/// Blocks held, by `tier` (device: reported by engines).
+pub const TIER_BLOCKS: &str = "kvtier_tier_blocks";
+/// Blocks evicted to make room, by `tier` (host; disk counts reclaimed blocks).
+pub const EVICTIONS: &str = "kvtier_evictions_total";
+/// Store blocks dropped, by `reason` (queue_full, no_space).
+pub const DROPPED_STORES: &str = "kvtier_dropped_stores_total";
+/// Disk writes dropped, by `reason` (queue_full, no_space, io_error).
+pub const DROPPED_DISK_WRITES: &str = "kvtier_dropped_disk_writes_total";
+/// Blocks found corrupt on disk (dropped, never served).
+pub const CORRUPT_BLOCKS: &str = "kvtier_corrupt_blocks_total";
+/// Load blocks in no tier (reported to the engine, which recomputes them).
+pub const MISSING_BLOCKS: &str = "kvtier_load_missing_blocks_total";
+/// Blocks pinned now (transfers and soft pins).
+pub const PINNED_BLOCKS: &str = "kvtier_pinned_blocks";
+/// Open sessions.
+pub const SESSIONS: &str = "kvtier_sessions";
+/// Registered device pools.
+pub const POOLS: &str = "kvtier_pools";
+/// gRPC requests, by `method` and `code`.
+pub const GRPC_REQUESTS: &str = "kvtier_grpc_requests_total";
+/// gRPC request handling seconds (to the first response message), histogram by `method`.
+pub const GRPC_SECONDS: &str = "kvtier_grpc_request_seconds";
+
+/// Every name, for documentation and the dashboard test.
+pub const ALL: &[&str] = &[
+    MATCH_LOOKUPS,
+    MATCH_HITS,
+    TRANSFER_BYTES,
+    TRANSFER_BLOCKS,
+    TRANSFER_SECONDS,
+    QUEUE_DEPTH,
+    QUEUE_INFLIGHT_BYTES,
+    TIER_USED_BYTES,
+    TIER_CAPACITY_BYTES,
+    TIER_BLOCKS,
+    EVICTIONS,
+    DROPPED_STORES,
+    DROPPED_DISK_WRITES,
+    CORRUPT_BLOCKS,
+    MISSING_BLOCKS,
+    PINNED_BLOCKS,
+    SESSIONS,
+    POOLS,
+    GRPC_REQUESTS,
+    GRPC_SECONDS,
+];
+
+/// Registers help texts with the recorder.
+pub fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(MATCH_LOOKUPS, "Blocks looked up by Match requests");
+    describe_counter!(MATCH_HITS, "Blocks Match found, by tier");
+    describe_counter!(TRANSFER_BYTES, Unit::Bytes, "Bytes moved, by route");
+    describe_counter!(TRANSFER_BLOCKS, "Blocks moved, by route");
+    describe_histogram!(
+        TRANSFER_SECONDS,
+        Unit::Seconds,
+        "First copy to last copy of a transfer, by route"
+    );
+    describe_gauge!(QUEUE_DEPTH, "Requests queued or running, by queue");
+    describe_gauge!(
+        QUEUE_INFLIGHT_BYTES,
+        Unit::Bytes,
+        "Bytes admitted and not finished, by queue"
+    );
+    describe_gauge!(TIER_USED_BYTES, Unit::Bytes, "Bytes of blocks held, by tier");
+    describe_gauge!(TIER_CAPACITY_BYTES, Unit::Bytes, "Bytes a tier may hold");
+    describe_gauge!(TIER_BLOCKS, "Blocks held, by tier");
+    describe_counter!(EVICTIONS, "Blocks evicted to make room, by tier");
+    describe_counter!(DROPPED_STORES, "Store blocks dropped, by reason");
+    describe_counter!(DROPPED_DISK_WRITES, "Disk writes dropped, by reason");
+    describe_counter!(CORRUPT_BLOCKS, "Blocks found corrupt on disk");
+    describe_counter!(MISSING_BLOCKS, "Load blocks in no tier");
+    describe_gauge!(PINNED_BLOCKS, "Blocks pinned now");
+    describe_gauge!(SESSIONS, "Open sessions");
+    describe_gauge!(POOLS, "Registered device pools");
+    describe_counter!(GRPC_REQUESTS, "gRPC requests, by method and code");
+    describe_histogram!(
+        GRPC_SECONDS,
+        Unit::Seconds,
+        "gRPC request handling time, by method"
+    );
+}

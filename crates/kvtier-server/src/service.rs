@@ -1,0 +1,678 @@
+//! The `kvtier.v1.KvTier` gRPC service.
+//!
+//! Handlers validate, then hand the work to the transfer queues; anything that blocks (page
+//! reservation, waiting for copies) runs on tokio's blocking pool, never on the async workers.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use kvtier_core::{BlockHasher, BlockKey, Dtype, KvGeometry};
+use kvtier_store::BlockTier;
+use kvtier_transfer::{
+    CpuDevicePool, DevicePool, LoadBlock, LoadEvent, StoreBlock, TransferError, TransferTiming,
+};
+use metrics::{counter, histogram};
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+use tonic::{Code, Request, Response, Status};
+
+use crate::ServerError;
+use crate::error::code_of;
+use crate::metric_names as m;
+use crate::proto::{self, kv_tier_server::KvTier};
+use crate::state::{PoolEntry, Residency, ServerState, SessionGuard};
+
+/// The gRPC service. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct KvTierService {
+    state: Arc<ServerState>,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+}
+
+impl KvTierService {
+    /// A service over `state`; session streams end when `shutdown` turns true.
+    pub fn new(state: Arc<ServerState>, shutdown: tokio::sync::watch::Receiver<bool>) -> Self {
+        Self { state, shutdown }
+    }
+
+    /// The state it serves.
+    pub fn state(&self) -> &Arc<ServerState> {
+        &self.state
+    }
+}
+
+/// The canonical gRPC name of a code, for the `code` label.
+fn code_label(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+/// Runs a handler, counting the request by method and code and timing it.
+async fn observed<T>(
+    method: &'static str,
+    f: impl Future<Output = Result<T, ServerError>>,
+) -> Result<Response<T>, Status> {
+    let start = Instant::now();
+    let r = f.await;
+    let code = r.as_ref().map_or_else(code_of, |_| Code::Ok);
+    counter!(m::GRPC_REQUESTS, "method" => method, "code" => code_label(code)).increment(1);
+    histogram!(m::GRPC_SECONDS, "method" => method).record(start.elapsed().as_secs_f64());
+    if let Err(e) = &r {
+        tracing::debug!(method, code = code_label(code), error = %e, "request refused");
+    }
+    r.map(Response::new).map_err(Status::from)
+}
+
+/// Runs blocking work on tokio's blocking pool.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ServerError> + Send + 'static,
+) -> Result<T, ServerError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ServerError::InvalidArgument(format!("request handler failed: {e}")))?
+}
+
+pub(crate) fn geometry_to_proto(g: &KvGeometry) -> proto::KvGeometry {
+    proto::KvGeometry {
+        layers: g.layers(),
+        kv_heads: g.kv_heads(),
+        head_dim: g.head_dim(),
+        dtype: dtype_to_proto(g.dtype()) as i32,
+        block_tokens: g.block_tokens(),
+    }
+}
+
+fn dtype_to_proto(d: Dtype) -> proto::Dtype {
+    match d {
+        Dtype::F32 => proto::Dtype::F32,
+        Dtype::F16 => proto::Dtype::F16,
+        Dtype::Bf16 => proto::Dtype::Bf16,
+        Dtype::Fp8E4m3 => proto::Dtype::Fp8E4m3,
+        Dtype::Fp8E5m2 => proto::Dtype::Fp8E5m2,
+        _ => proto::Dtype::Unspecified,
+    }
+}
+
+fn geometry_from_proto(g: Option<&proto::KvGeometry>) -> Result<KvGeometry, ServerError> {
+    let g = g.ok_or_else(|| ServerError::InvalidArgument("geometry is required".into()))?;
+    let dtype = match proto::Dtype::try_from(g.dtype) {
+        Ok(proto::Dtype::F32) => Dtype::F32,
+        Ok(proto::Dtype::F16) => Dtype::F16,
+        Ok(proto::Dtype::Bf16) => Dtype::Bf16,
+        Ok(proto::Dtype::Fp8E4m3) => Dtype::Fp8E4m3,
+        Ok(proto::Dtype::Fp8E5m2) => Dtype::Fp8E5m2,
+        _ => {
+            return Err(ServerError::InvalidArgument(format!(
+                "geometry.dtype {} is not a known dtype",
+                g.dtype
+            )));
+        }
+    };
+    Ok(KvGeometry::new(
+        g.layers,
+        g.kv_heads,
+        g.head_dim,
+        dtype,
+        g.block_tokens,
+    )?)
+}
+
+fn key(field: &'static str, index: usize, bytes: &[u8]) -> Result<BlockKey, ServerError> {
+    BlockKey::from_le_slice(bytes).ok_or(ServerError::BadKey {
+        field,
+        index,
+        len: bytes.len(),
+    })
+}
+
+fn timing_to_proto(t: &TransferTiming) -> proto::TransferTiming {
+    let us = |d: Duration| d.as_micros() as u64;
+    proto::TransferTiming {
+        queue_us: t
+            .first_copy_start
+            .map_or(0, |s| us(s.saturating_duration_since(t.submitted))),
+        latency_us: us(t.latency()),
+        span_us: us(t.span()),
+        active_us: us(t.active),
+    }
+}
+
+impl KvTierService {
+    fn check_batch(&self, what: &'static str, n: usize) -> Result<(), ServerError> {
+        if n == 0 {
+            return Err(ServerError::EmptyBatch(what));
+        }
+        let max = self.state.config.server.max_batch_blocks;
+        if n > max {
+            return Err(ServerError::BatchTooLarge { n, max });
+        }
+        Ok(())
+    }
+
+    fn refuse_if_shutting_down(&self) -> Result<(), ServerError> {
+        if *self.shutdown.borrow() {
+            return Err(ServerError::ShuttingDown);
+        }
+        Ok(())
+    }
+
+    /// The leading blocks found on this pool's device (as its engine reported), in host
+    /// memory or on disk; the first block in none ends the run.
+    fn locate(
+        &self,
+        pool: &PoolEntry,
+        ns: kvtier_core::NamespaceFingerprint,
+        keys: &[BlockKey],
+    ) -> Vec<Found> {
+        let state = &self.state;
+        let mut out = Vec::with_capacity(keys.len());
+        let mut i = 0;
+        while i < keys.len() {
+            if let Some(slot) = pool.device_slot(keys[i]) {
+                out.push(Found::Device(slot));
+                i += 1;
+                continue;
+            }
+            // Counts host hits for the disk admission filter, and queues admitted writes.
+            let m = state.queues.match_prefix(&state.store, ns, &keys[i..]);
+            if m.tiers.is_empty() {
+                break;
+            }
+            for t in m.tiers {
+                out.push(pool.device_slot(keys[i]).map_or(Found::Tier(t), Found::Device));
+                i += 1;
+            }
+        }
+        out
+    }
+}
+
+/// Where a matched block is.
+#[derive(Debug, Clone, Copy)]
+enum Found {
+    Device(u32),
+    Tier(BlockTier),
+}
+
+/// The session stream: events until the client goes away; dropping it closes the session.
+struct SessionStream {
+    rx: mpsc::Receiver<Result<proto::SessionEvent, Status>>,
+    _guard: SessionGuard,
+}
+
+impl Stream for SessionStream {
+    type Item = Result<proto::SessionEvent, Status>;
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.rx.poll_recv(cx)
+    }
+}
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl KvTier for KvTierService {
+    type OpenSessionStream = BoxStream<proto::SessionEvent>;
+    type LoadStream = BoxStream<proto::LoadEvent>;
+
+    async fn open_session(
+        &self,
+        request: Request<proto::OpenSessionRequest>,
+    ) -> Result<Response<Self::OpenSessionStream>, Status> {
+        observed("OpenSession", async {
+            self.refuse_if_shutting_down()?;
+            let guard = self.state.open_session(&request.get_ref().client_name);
+            let (tx, rx) = mpsc::channel(4);
+            let opened = proto::SessionEvent {
+                event: Some(proto::session_event::Event::Opened(proto::SessionOpened {
+                    session_id: guard.id(),
+                    geometry: Some(geometry_to_proto(&self.state.geometry)),
+                })),
+            };
+            tx.try_send(Ok(opened)).map_err(|_| ServerError::ShuttingDown)?;
+            let every = Duration::from_millis(self.state.config.server.heartbeat_ms.max(100));
+            let mut shutdown = self.shutdown.clone();
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                tick.tick().await;
+                loop {
+                    tokio::select! {
+                        _ = tick.tick() => {
+                            let unix_ms = std::time::SystemTime::now()
+                                .duration_since(std::time::UNIX_EPOCH)
+                                .map_or(0, |d| d.as_millis() as u64);
+                            let beat = proto::SessionEvent {
+                                event: Some(proto::session_event::Event::Heartbeat(proto::Heartbeat { unix_ms })),
+                            };
+                            if tx.send(Ok(beat)).await.is_err() {
+                                return; // the client went away
+                            }
+                        }
+                        _ = shutdown.changed() => {
+                            let _ = tx.send(Err(Status::unavailable("kvtier is shutting down"))).await;
+                            return;
+                        }
+                        _ = tx.closed() => return,
+                    }
+                }
+            });
+            Ok(Box::pin(SessionStream { rx, _guard: guard }) as Self::OpenSessionStream)
+        })
+        .await
+    }
+
+    async fn register_pool(
+        &self,
+        request: Request<proto::RegisterPoolRequest>,
+    ) -> Result<Response<proto::RegisterPoolResponse>, Status> {
+        observed("RegisterPool", async {
+            self.refuse_if_shutting_down()?;
+            let r = request.into_inner();
+            self.state.check_session(r.session_id)?;
+            let claimed = geometry_from_proto(r.geometry.as_ref())?;
+            if claimed != self.state.geometry {
+                return Err(ServerError::GeometryMismatch {
+                    served: self.state.geometry,
+                    claimed,
+                });
+            }
+            let path = match r.location {
+                Some(proto::register_pool_request::Location::ShmPath(p)) if !p.is_empty() => p,
+                Some(proto::register_pool_request::Location::CudaIpcHandle(_)) => {
+                    return Err(ServerError::Unsupported(
+                        "CUDA pools are not served by this build".into(),
+                    ));
+                }
+                _ => return Err(ServerError::InvalidArgument("shm_path is required".into())),
+            };
+            let num_slots = r.num_slots;
+            let pool = blocking(move || {
+                Ok(CpuDevicePool::open(
+                    std::path::Path::new(&path),
+                    claimed,
+                    num_slots,
+                )?)
+            })
+            .await?;
+            let device: Arc<dyn DevicePool> = Arc::new(pool);
+            let tp_size = r.tp_size.max(1);
+            let entry = self
+                .state
+                .register_pool(r.session_id, device, r.model_id, r.tp_rank, tp_size)?;
+            let ns = entry.namespace(self.state.geometry, "")?;
+            tracing::info!(
+                session = r.session_id,
+                pool = entry.id,
+                slots = num_slots,
+                "pool registered"
+            );
+            Ok(proto::RegisterPoolResponse {
+                pool_id: entry.id,
+                namespace_fingerprint: ns.to_le_bytes().to_vec(),
+            })
+        })
+        .await
+    }
+
+    async fn unregister_pool(
+        &self,
+        request: Request<proto::UnregisterPoolRequest>,
+    ) -> Result<Response<proto::UnregisterPoolResponse>, Status> {
+        observed("UnregisterPool", async {
+            let r = request.into_inner();
+            self.state.unregister_pool(r.session_id, r.pool_id)?;
+            Ok(proto::UnregisterPoolResponse {})
+        })
+        .await
+    }
+
+    async fn r#match(
+        &self,
+        request: Request<proto::MatchRequest>,
+    ) -> Result<Response<proto::MatchResponse>, Status> {
+        observed("Match", async {
+            let r = request.into_inner();
+            let pool = self.state.pool(r.session_id, r.pool_id)?;
+            let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
+            let keys: Vec<BlockKey> = match (r.keys.is_empty(), r.token_ids.is_empty()) {
+                (false, true) => {
+                    self.check_batch("keys", r.keys.len())?;
+                    r.keys
+                        .iter()
+                        .enumerate()
+                        .map(|(i, k)| key("keys", i, k))
+                        .collect::<Result<_, _>>()?
+                }
+                (true, false) => {
+                    let bt = self.state.geometry.block_tokens() as usize;
+                    self.check_batch("token_ids", r.token_ids.len() / bt)?;
+                    BlockHasher::new(ns, self.state.geometry.block_tokens()).keys(&r.token_ids)
+                }
+                (true, true) => return Err(ServerError::EmptyBatch("keys or token_ids")),
+                (false, false) => {
+                    return Err(ServerError::InvalidArgument(
+                        "give keys or token_ids, not both".into(),
+                    ));
+                }
+            };
+            let found = self.locate(&pool, ns, &keys);
+            let bt = u64::from(self.state.geometry.block_tokens());
+            let mut resp = proto::MatchResponse::default();
+            let (mut dev, mut host, mut disk) = (0u64, 0u64, 0u64);
+            for (k, f) in keys.iter().zip(&found) {
+                let (tier, slot) = match f {
+                    Found::Device(slot) => {
+                        dev += 1;
+                        (proto::Tier::Device, *slot)
+                    }
+                    Found::Tier(BlockTier::Host) => {
+                        host += 1;
+                        (proto::Tier::Host, 0)
+                    }
+                    Found::Tier(BlockTier::Disk) => {
+                        disk += 1;
+                        (proto::Tier::Disk, 0)
+                    }
+                };
+                resp.blocks.push(proto::BlockLocation {
+                    key: k.to_le_bytes().to_vec(),
+                    tier: tier as i32,
+                    device_slot: slot,
+                });
+            }
+            resp.matched_tokens = found.len() as u64 * bt;
+            resp.device_tokens = dev * bt;
+            resp.host_tokens = host * bt;
+            resp.disk_tokens = disk * bt;
+            counter!(m::MATCH_LOOKUPS).increment(keys.len() as u64);
+            counter!(m::MATCH_HITS, "tier" => "device").increment(dev);
+            counter!(m::MATCH_HITS, "tier" => "host").increment(host);
+            counter!(m::MATCH_HITS, "tier" => "disk").increment(disk);
+            Ok(resp)
+        })
+        .await
+    }
+
+    async fn load(&self, request: Request<proto::LoadRequest>) -> Result<Response<Self::LoadStream>, Status> {
+        let arrived = Instant::now();
+        observed("Load", async {
+            self.refuse_if_shutting_down()?;
+            let r = request.into_inner();
+            let pool = self.state.pool(r.session_id, r.pool_id)?;
+            self.check_batch("blocks", r.blocks.len())?;
+            let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
+            let blocks: Vec<LoadBlock> = r
+                .blocks
+                .iter()
+                .enumerate()
+                .map(|(i, b)| {
+                    Ok(LoadBlock {
+                        key: key("blocks[].key", i, &b.key)?,
+                        slot: b.slot,
+                    })
+                })
+                .collect::<Result<_, ServerError>>()?;
+            let deadline = (r.deadline_ms > 0).then(|| arrived + Duration::from_millis(r.deadline_ms));
+            let state = Arc::clone(&self.state);
+            let device = Arc::clone(&pool.device);
+            let ticket =
+                blocking(move || Ok(state.queues.load.submit(&device, &state.store, ns, &blocks)?)).await?;
+            let (tx, rx) = mpsc::channel::<Result<proto::LoadEvent, Status>>(16);
+            let deadline_ms = r.deadline_ms;
+            tokio::task::spawn_blocking(move || forward_load(ticket, tx, deadline, deadline_ms));
+            Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)) as Self::LoadStream)
+        })
+        .await
+    }
+
+    async fn store(
+        &self,
+        request: Request<proto::StoreRequest>,
+    ) -> Result<Response<proto::StoreResponse>, Status> {
+        observed("Store", async {
+            self.refuse_if_shutting_down()?;
+            let r = request.into_inner();
+            let pool = self.state.pool(r.session_id, r.pool_id)?;
+            self.check_batch("blocks", r.blocks.len())?;
+            let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
+            let blocks: Vec<StoreBlock> = r
+                .blocks
+                .iter()
+                .enumerate()
+                .map(|(i, b)| {
+                    Ok(StoreBlock {
+                        key: key("blocks[].key", i, &b.key)?,
+                        parent: if b.parent.is_empty() {
+                            None
+                        } else {
+                            Some(key("blocks[].parent", i, &b.parent)?)
+                        },
+                        slot: b.slot,
+                    })
+                })
+                .collect::<Result<_, ServerError>>()?;
+            let state = Arc::clone(&self.state);
+            let device = Arc::clone(&pool.device);
+            let report = blocking(move || {
+                Ok(state
+                    .queues
+                    .store
+                    .submit(&device, &state.store, ns, &blocks)?
+                    .wait()?)
+            })
+            .await?;
+            histogram!(m::TRANSFER_SECONDS, "route" => "device_to_host")
+                .record(report.timing.span().as_secs_f64());
+            Ok(proto::StoreResponse {
+                stored_blocks: report.stored_blocks as u32,
+                already_stored: report.already_stored as u32,
+                no_space: report.no_space.iter().map(|k| k.to_le_bytes().to_vec()).collect(),
+                bytes: report.bytes,
+                timing: Some(timing_to_proto(&report.timing)),
+            })
+        })
+        .await
+    }
+
+    async fn device_events(
+        &self,
+        request: Request<proto::DeviceEventsRequest>,
+    ) -> Result<Response<proto::DeviceEventsResponse>, Status> {
+        observed("DeviceEvents", async {
+            let r = request.into_inner();
+            let pool = self.state.pool(r.session_id, r.pool_id)?;
+            self.check_batch("events", r.events.len())?;
+            let slots = pool.device.num_slots();
+            let mut changes = Vec::with_capacity(r.events.len());
+            for (i, e) in r.events.iter().enumerate() {
+                changes.push(match proto::device_event::Kind::try_from(e.kind) {
+                    Ok(proto::device_event::Kind::Stored) => {
+                        if e.slot >= slots {
+                            return Err(ServerError::Transfer(TransferError::SlotOutOfRange {
+                                slot: e.slot,
+                                num_slots: slots,
+                            }));
+                        }
+                        Residency::Stored(key("events[].key", i, &e.key)?, e.slot)
+                    }
+                    Ok(proto::device_event::Kind::Removed) => {
+                        Residency::Removed(key("events[].key", i, &e.key)?)
+                    }
+                    Ok(proto::device_event::Kind::Cleared) => Residency::Cleared,
+                    _ => {
+                        return Err(ServerError::InvalidArgument(format!(
+                            "events[{i}].kind {} is not a kind",
+                            e.kind
+                        )));
+                    }
+                });
+            }
+            let device_blocks = pool.apply_residency(changes.iter().copied());
+            Ok(proto::DeviceEventsResponse {
+                applied: changes.len() as u32,
+                device_blocks,
+            })
+        })
+        .await
+    }
+
+    async fn pin(&self, request: Request<proto::PinRequest>) -> Result<Response<proto::PinResponse>, Status> {
+        observed("Pin", async {
+            let r = request.into_inner();
+            let pool = self.state.pool(r.session_id, r.pool_id)?;
+            self.check_batch("keys", r.keys.len())?;
+            let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
+            let mut pages = Vec::with_capacity(r.keys.len());
+            let mut missing = Vec::new();
+            for (i, k) in r.keys.iter().enumerate() {
+                match self.state.store.host().pin(ns, key("keys", i, k)?) {
+                    Some(p) => pages.push(p),
+                    None => missing.push(k.clone()),
+                }
+            }
+            let pinned = pages.len() as u32;
+            let expires = (r.ttl_ms > 0).then(|| Instant::now() + Duration::from_millis(r.ttl_ms));
+            let pin_id = self.state.add_pin(r.session_id, pages, expires)?;
+            Ok(proto::PinResponse {
+                pin_id,
+                pinned_blocks: pinned,
+                missing,
+            })
+        })
+        .await
+    }
+
+    async fn unpin(
+        &self,
+        request: Request<proto::UnpinRequest>,
+    ) -> Result<Response<proto::UnpinResponse>, Status> {
+        observed("Unpin", async {
+            let r = request.into_inner();
+            let released = self.state.unpin(r.session_id, r.pin_id)?;
+            Ok(proto::UnpinResponse {
+                released_blocks: released as u32,
+            })
+        })
+        .await
+    }
+
+    async fn clear(
+        &self,
+        request: Request<proto::ClearRequest>,
+    ) -> Result<Response<proto::ClearResponse>, Status> {
+        observed("Clear", async {
+            let r = request.into_inner();
+            let ns = if r.all {
+                self.state.check_session(r.session_id)?;
+                None
+            } else {
+                let pool = self.state.pool(r.session_id, r.pool_id)?;
+                Some(pool.namespace(self.state.geometry, &r.cache_salt)?)
+            };
+            let state = Arc::clone(&self.state);
+            let (host, kept, disk) = blocking(move || {
+                let (host, kept) = state.store.host().clear(ns);
+                let disk = match state.store.disk() {
+                    Some(d) => d.clear(ns)?,
+                    None => 0,
+                };
+                Ok((host, kept, disk))
+            })
+            .await?;
+            Ok(proto::ClearResponse {
+                host_blocks: host,
+                disk_blocks: disk,
+                kept_pinned: kept,
+            })
+        })
+        .await
+    }
+
+    async fn stats(
+        &self,
+        _request: Request<proto::StatsRequest>,
+    ) -> Result<Response<proto::StatsResponse>, Status> {
+        observed("Stats", async {
+            let snapshot = crate::stats::Snapshot::take(&self.state);
+            snapshot.publish();
+            Ok(snapshot.to_proto())
+        })
+        .await
+    }
+}
+
+/// Forwards a load's events to its response stream (on a blocking thread). Stops — dropping
+/// the ticket, which cancels the load and releases its pins — when the client goes away or
+/// the deadline passes.
+fn forward_load(
+    mut ticket: kvtier_transfer::LoadTicket,
+    tx: mpsc::Sender<Result<proto::LoadEvent, Status>>,
+    deadline: Option<Instant>,
+    deadline_ms: u64,
+) {
+    let ev = |e| proto::LoadEvent { event: Some(e) };
+    loop {
+        let next = match deadline {
+            Some(d) => ticket.next_event_until(d),
+            None => Ok(ticket.next_event()),
+        };
+        let msg = match next {
+            Ok(Some(LoadEvent::LayerReady { layer })) => {
+                Ok(ev(proto::load_event::Event::LayerReady(proto::LayerReady {
+                    layer,
+                })))
+            }
+            Ok(Some(LoadEvent::Missing { keys })) => {
+                Ok(ev(proto::load_event::Event::Missing(proto::BlocksMissing {
+                    keys: keys.iter().map(|k| k.to_le_bytes().to_vec()).collect(),
+                })))
+            }
+            Ok(Some(LoadEvent::Done(Ok(r)))) => {
+                histogram!(m::TRANSFER_SECONDS, "route" => "host_to_device")
+                    .record(r.timing.span().as_secs_f64());
+                counter!(m::MISSING_BLOCKS).increment(r.missing.len() as u64);
+                let done = proto::LoadDone {
+                    loaded_blocks: r.loaded_blocks as u32,
+                    disk_blocks: r.disk_blocks as u32,
+                    missing: r.missing.iter().map(|k| k.to_le_bytes().to_vec()).collect(),
+                    bytes: r.bytes,
+                    timing: Some(timing_to_proto(&r.timing)),
+                };
+                let _ = tx.blocking_send(Ok(ev(proto::load_event::Event::Done(done))));
+                return;
+            }
+            Ok(Some(LoadEvent::Done(Err(e)))) => {
+                let _ = tx.blocking_send(Err(Status::from(ServerError::Transfer(e))));
+                return;
+            }
+            Ok(None) => return,
+            Err(_) => {
+                counter!(m::GRPC_REQUESTS, "method" => "Load", "code" => "DEADLINE_EXCEEDED").increment(1);
+                let _ = tx.blocking_send(Err(Status::from(ServerError::DeadlineExceeded(deadline_ms))));
+                return;
+            }
+        };
+        if tx.blocking_send(msg).is_err() {
+            return; // the client went away: dropping the ticket cancels the load
+        }
+    }
+}

@@ -1,0 +1,576 @@
+//! The gRPC API end to end against an in-process sidecar on a Unix socket: every RPC, every
+//! bad input's status code, sessions, health and reflection.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kvtier_client::{Client, PoolHandle};
+use kvtier_core::{BlockKey, Dtype, KvGeometry};
+use kvtier_server::proto;
+use kvtier_transfer::CpuDevicePool;
+use tonic::Code;
+
+struct Engine {
+    client: Client,
+    pool: CpuDevicePool,
+    handle: PoolHandle,
+}
+
+async fn engine(sidecar: &Sidecar, slots: u32) -> Engine {
+    let mut client = Client::connect(&sidecar.target, "test-engine").await.unwrap();
+    assert_eq!(client.geometry(), geometry());
+    let path = sidecar.dir.path().join(format!("pool-{}", client.session_id()));
+    let pool = CpuDevicePool::create(Some(&path), geometry(), slots).unwrap();
+    let handle = client.register_cpu_pool(&pool, "test-model", 0, 1).await.unwrap();
+    Engine { client, pool, handle }
+}
+
+impl Engine {
+    fn write(&self, keys: &[BlockKey], first_slot: u32) {
+        let g = geometry();
+        for (i, &k) in keys.iter().enumerate() {
+            for layer in 0..g.layers() {
+                self.pool
+                    .write_slot_layer(
+                        first_slot + i as u32,
+                        layer,
+                        &kv(k, layer, g.bytes_per_block_layer()),
+                    )
+                    .unwrap();
+            }
+        }
+    }
+
+    fn check(&self, keys: &[BlockKey], first_slot: u32) {
+        let g = geometry();
+        let mut buf = vec![0u8; g.bytes_per_block_layer()];
+        for (i, &k) in keys.iter().enumerate() {
+            for layer in 0..g.layers() {
+                self.pool
+                    .read_slot_layer(first_slot + i as u32, layer, &mut buf)
+                    .unwrap();
+                assert!(
+                    buf == kv(k, layer, buf.len()),
+                    "slot {} layer {layer}",
+                    first_slot + i as u32
+                );
+            }
+        }
+    }
+
+    fn chain(keys: &[BlockKey], first_slot: u32) -> Vec<(BlockKey, Option<BlockKey>, u32)> {
+        keys.iter()
+            .enumerate()
+            .map(|(i, &k)| (k, i.checked_sub(1).map(|p| keys[p]), first_slot + i as u32))
+            .collect()
+    }
+
+    fn slots(keys: &[BlockKey], first_slot: u32) -> Vec<(BlockKey, u32)> {
+        keys.iter()
+            .enumerate()
+            .map(|(i, &k)| (k, first_slot + i as u32))
+            .collect()
+    }
+}
+
+fn code(e: kvtier_client::ClientError) -> Code {
+    match e {
+        kvtier_client::ClientError::Status(s) => s.code(),
+        other => panic!("expected a status, got {other}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_match_load_round_trip_bit_exact() {
+    let sidecar = Sidecar::start(|_| {}).await;
+    let mut e = engine(&sidecar, 64).await;
+    let tokens: Vec<u32> = (0..16 * 12).map(|t| t * 7 + 1).collect();
+    let keys = e.handle.keys("", &tokens).unwrap();
+    assert_eq!(keys.len(), 12);
+    e.write(&keys, 0);
+    let stored = e
+        .client
+        .store(&e.handle, "", &Engine::chain(&keys[..10], 0))
+        .await
+        .unwrap();
+    assert_eq!(stored.stored_blocks, 10);
+    assert_eq!(stored.bytes, 10 * geometry().bytes_per_block() as u64);
+    // Match by tokens (the sidecar hashes them) and by keys agree.
+    let by_tokens = e.client.match_tokens(&e.handle, "", &tokens).await.unwrap();
+    let by_keys = e.client.match_keys(&e.handle, "", &keys).await.unwrap();
+    assert_eq!(by_tokens, by_keys);
+    assert_eq!(by_keys.blocks.len(), 10);
+    assert_eq!(
+        (by_keys.matched_tokens, by_keys.host_tokens, by_keys.device_tokens),
+        (160, 160, 0)
+    );
+    assert!(by_keys.blocks.iter().all(|b| b.tier == proto::Tier::Host as i32));
+    // Another tenant's salt matches nothing.
+    assert_eq!(
+        e.client
+            .match_tokens(&e.handle, "tenant-b", &tokens)
+            .await
+            .unwrap()
+            .matched_tokens,
+        0
+    );
+    // Load into other slots: one event per layer, then the report.
+    let out = e
+        .client
+        .load_all(&e.handle, "", &Engine::slots(&keys, 20), None)
+        .await
+        .unwrap();
+    assert_eq!(out.layers_ready, vec![0, 1]);
+    assert_eq!(out.done.loaded_blocks, 10);
+    assert_eq!(
+        kvtier_client::missing_keys(&out.done).unwrap(),
+        keys[10..].to_vec(),
+        "never silently skipped"
+    );
+    e.check(&keys[..10], 20);
+    // Device residency shows in Match.
+    let resident: Vec<(BlockKey, Option<u32>)> = keys[..3]
+        .iter()
+        .enumerate()
+        .map(|(i, &k)| (k, Some(20 + i as u32)))
+        .collect();
+    assert_eq!(e.client.device_events(&e.handle, &resident).await.unwrap(), 3);
+    let m = e.client.match_keys(&e.handle, "", &keys).await.unwrap();
+    assert_eq!((m.device_tokens, m.host_tokens), (48, 112));
+    assert_eq!(m.blocks[2].device_slot, 22);
+    assert_eq!(
+        e.client
+            .device_events(&e.handle, &[(keys[0], None)])
+            .await
+            .unwrap(),
+        2
+    );
+    let stats = e.client.stats().await.unwrap();
+    assert_eq!((stats.sessions, stats.pools, stats.pinned_blocks), (1, 1, 0));
+    assert!(stats.json.contains("\"routes\""));
+    drop(e);
+    sidecar.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_bad_request_gets_its_status_and_changes_nothing() {
+    let sidecar = Sidecar::start(|c| c.server.max_batch_blocks = 100).await;
+    let mut e = engine(&sidecar, 8).await;
+    let keys = e.handle.keys("", &(0..16 * 4).collect::<Vec<u32>>()).unwrap();
+    e.write(&keys, 0);
+    e.client
+        .store(&e.handle, "", &Engine::chain(&keys, 0))
+        .await
+        .unwrap();
+    let sid = e.client.session_id();
+    let rpc = e.client.rpc();
+
+    // Unknown session and pool.
+    let m = |session_id, pool_id, keys: Vec<Vec<u8>>| proto::MatchRequest {
+        session_id,
+        pool_id,
+        keys,
+        ..Default::default()
+    };
+    let k = |i: usize| keys[i].to_le_bytes().to_vec();
+    assert_eq!(
+        rpc.r#match(m(999, e.handle.id, vec![k(0)]))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::NotFound
+    );
+    let err = rpc.r#match(m(sid, 12345, vec![k(0)])).await.unwrap_err();
+    assert_eq!(
+        (err.code(), err.message()),
+        (Code::NotFound, "unknown pool 12345")
+    );
+    // Wrong key length, empty batch, both keys and tokens, oversized batch.
+    let err = rpc
+        .r#match(m(sid, e.handle.id, vec![vec![1; 15]]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("keys 0: a block key is 16 bytes, got 15"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(
+        rpc.r#match(m(sid, e.handle.id, vec![])).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+    let mut both = m(sid, e.handle.id, vec![k(0)]);
+    both.token_ids = vec![1; 16];
+    assert_eq!(rpc.r#match(both).await.unwrap_err().code(), Code::InvalidArgument);
+    let err = rpc
+        .r#match(m(sid, e.handle.id, vec![k(0); 101]))
+        .await
+        .unwrap_err();
+    assert!(
+        err.code() == Code::InvalidArgument && err.message().contains("at most 100"),
+        "{}",
+        err.message()
+    );
+
+    // Slot out of range, duplicate slot, bad key in a load; bad parent in a store.
+    let load = |blocks: Vec<proto::BlockSlot>, deadline_ms| proto::LoadRequest {
+        session_id: sid,
+        pool_id: e.handle.id,
+        blocks,
+        deadline_ms,
+        ..Default::default()
+    };
+    let bs = |i: usize, slot| proto::BlockSlot {
+        key: k(i),
+        slot,
+        parent: vec![],
+    };
+    let err = rpc.load(load(vec![bs(0, 8)], 0)).await.unwrap_err();
+    assert!(
+        err.code() == Code::InvalidArgument && err.message().contains("slot 8 out of range"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(
+        rpc.load(load(vec![bs(0, 1), bs(1, 1)], 0))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        rpc.load(load(vec![], 0)).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+    let store = proto::StoreRequest {
+        session_id: sid,
+        pool_id: e.handle.id,
+        blocks: vec![proto::BlockSlot {
+            key: k(0),
+            slot: 0,
+            parent: vec![0; 3],
+        }],
+        ..Default::default()
+    };
+    let err = rpc.store(store).await.unwrap_err();
+    assert!(err.message().contains("blocks[].parent 0"), "{}", err.message());
+
+    // Device events: slot out of range, unknown kind.
+    let ev = |kind, slot| proto::DeviceEventsRequest {
+        session_id: sid,
+        pool_id: e.handle.id,
+        events: vec![proto::DeviceEvent {
+            kind,
+            key: k(0),
+            slot,
+        }],
+    };
+    assert_eq!(
+        rpc.device_events(ev(1, 99)).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        rpc.device_events(ev(42, 0)).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+    // Unknown pin.
+    let err = rpc
+        .unpin(proto::UnpinRequest {
+            session_id: sid,
+            pin_id: 77,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+
+    // Pools: another geometry, a missing file, a file of another size, no location, CUDA.
+    let other = KvGeometry::new(2, 2, 64, Dtype::F16, 16).unwrap();
+    let reg = |geometry: KvGeometry, path: &str, num_slots| proto::RegisterPoolRequest {
+        session_id: sid,
+        model_id: "m".into(),
+        geometry: Some(kvtier_client::geometry_to_proto(&geometry)),
+        num_slots,
+        tp_rank: 0,
+        tp_size: 1,
+        location: Some(proto::register_pool_request::Location::ShmPath(path.into())),
+    };
+    let path = e.pool.path().unwrap().display().to_string();
+    let err = rpc.register_pool(reg(other, &path, 8)).await.unwrap_err();
+    assert!(
+        err.code() == Code::FailedPrecondition && err.message().contains("dtype=f16"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(
+        rpc.register_pool(reg(geometry(), "/no/such/pool", 8))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::NotFound
+    );
+    assert_eq!(
+        rpc.register_pool(reg(geometry(), &path, 9))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::FailedPrecondition
+    );
+    let mut cuda = reg(geometry(), &path, 8);
+    cuda.location = Some(proto::register_pool_request::Location::CudaIpcHandle(vec![0; 64]));
+    assert_eq!(
+        rpc.register_pool(cuda).await.unwrap_err().code(),
+        Code::FailedPrecondition
+    );
+    let mut nowhere = reg(geometry(), &path, 8);
+    nowhere.location = None;
+    assert_eq!(
+        rpc.register_pool(nowhere).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+    let mut no_geometry = reg(geometry(), &path, 8);
+    no_geometry.geometry = None;
+    assert_eq!(
+        rpc.register_pool(no_geometry).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+
+    // Nothing above changed the tier or leaked a pin.
+    let m = e.client.match_keys(&e.handle, "", &keys).await.unwrap();
+    assert_eq!(m.blocks.len(), 4);
+    let stats = e.client.stats().await.unwrap();
+    assert_eq!((stats.pools, stats.pinned_blocks), (1, 0));
+    drop(e);
+    sidecar.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_deadline_cancels_the_load_and_releases_its_pins() {
+    let sidecar = Sidecar::start(|c| c.host.capacity = kvtier_core::ByteSize::mib(96)).await;
+    let mut e = engine(&sidecar, 2048).await;
+    let keys = e.handle.keys("", &(0..16 * 1024).collect::<Vec<u32>>()).unwrap();
+    e.write(&keys, 0);
+    e.client
+        .store(&e.handle, "", &Engine::chain(&keys, 0))
+        .await
+        .unwrap();
+    // 16 MiB to copy: far more than a microsecond-scale deadline allows.
+    let err = e
+        .client
+        .load_all(
+            &e.handle,
+            "",
+            &Engine::slots(&keys, 1024),
+            Some(Duration::from_micros(1)),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(err), Code::DeadlineExceeded);
+    sidecar.state.queues.load.wait_idle();
+    assert_eq!(e.client.stats().await.unwrap().pinned_blocks, 0);
+    drop(e);
+    sidecar.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pins_hold_until_unpin_ttl_or_session_end() {
+    let sidecar = Sidecar::start(|_| {}).await;
+    let mut e = engine(&sidecar, 16).await;
+    let keys = e
+        .handle
+        .keys("", &(100..100 + 16 * 6).collect::<Vec<u32>>())
+        .unwrap();
+    e.write(&keys, 0);
+    e.client
+        .store(&e.handle, "", &Engine::chain(&keys[..4], 0))
+        .await
+        .unwrap();
+    let p = e.client.pin(&e.handle, "", &keys, None).await.unwrap();
+    assert_eq!((p.pinned_blocks, p.missing.len()), (4, 2));
+    assert_eq!(e.client.stats().await.unwrap().pinned_blocks, 4);
+    assert_eq!(e.client.unpin(p.pin_id).await.unwrap(), 4);
+    assert_eq!(e.client.stats().await.unwrap().pinned_blocks, 0);
+    // A TTL pin goes by itself.
+    e.client
+        .pin(&e.handle, "", &keys[..2], Some(Duration::from_millis(300)))
+        .await
+        .unwrap();
+    assert_eq!(e.client.stats().await.unwrap().pinned_blocks, 2);
+    let start = std::time::Instant::now();
+    while e.client.stats().await.unwrap().pinned_blocks != 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the TTL pin did not expire"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A session that ends releases its pins and pools.
+    e.client.pin(&e.handle, "", &keys[..3], None).await.unwrap();
+    let mut observer = Client::connect(&sidecar.target, "observer").await.unwrap();
+    assert_eq!(observer.stats().await.unwrap().pinned_blocks, 3);
+    drop(e);
+    let start = std::time::Instant::now();
+    loop {
+        let s = observer.stats().await.unwrap();
+        if (s.pinned_blocks, s.pools, s.sessions) == (0, 0, 1) {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "session not cleaned up: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(observer);
+    sidecar.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clear_forgets_a_namespace() {
+    let sidecar = Sidecar::start(|_| {}).await;
+    let mut e = engine(&sidecar, 16).await;
+    let tokens: Vec<u32> = (0..16 * 4).collect();
+    for (salt, first) in [("a", 0), ("b", 4)] {
+        let keys = e.handle.keys(salt, &tokens).unwrap();
+        e.write(&keys, first);
+        e.client
+            .store(&e.handle, salt, &Engine::chain(&keys, first))
+            .await
+            .unwrap();
+    }
+    let sid = e.client.session_id();
+    let r = e
+        .client
+        .rpc()
+        .clear(proto::ClearRequest {
+            session_id: sid,
+            pool_id: e.handle.id,
+            cache_salt: "a".into(),
+            all: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.host_blocks, 4);
+    assert_eq!(
+        e.client
+            .match_tokens(&e.handle, "a", &tokens)
+            .await
+            .unwrap()
+            .matched_tokens,
+        0
+    );
+    assert_eq!(
+        e.client
+            .match_tokens(&e.handle, "b", &tokens)
+            .await
+            .unwrap()
+            .matched_tokens,
+        64
+    );
+    drop(e);
+    sidecar.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_reflection_and_malformed_messages() {
+    let sidecar = Sidecar::start(|_| {}).await;
+    let channel = kvtier_client::channel(&sidecar.target).await.unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+    for service in ["", "kvtier.v1.KvTier"] {
+        let r = health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            r.status(),
+            tonic_health::pb::health_check_response::ServingStatus::Serving,
+            "{service:?}"
+        );
+    }
+    // Reflection lists the service.
+    use tonic_reflection::pb::v1::{
+        ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+    };
+    let mut reflection = ServerReflectionClient::new(channel.clone());
+    let req = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut stream = reflection
+        .server_reflection_info(tokio_stream::iter([req]))
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(MessageResponse::ListServicesResponse(list)) =
+        stream.message().await.unwrap().unwrap().message_response
+    else {
+        panic!("no service list");
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    assert!(names.contains(&"kvtier.v1.KvTier".to_owned()), "{names:?}");
+    assert!(names.contains(&"grpc.health.v1.Health".to_owned()), "{names:?}");
+
+    // Bytes that are not a MatchRequest: an error status, and the server keeps serving.
+    let mut grpc = tonic::client::Grpc::new(channel.clone());
+    grpc.ready().await.unwrap();
+    let path = http::uri::PathAndQuery::from_static("/kvtier.v1.KvTier/Match");
+    let garbage = tonic::Request::new(vec![0xff_u8, 0xff, 0xff, 0xff, 0x0f, 0x12]);
+    let err = grpc
+        .unary::<_, Vec<u8>, _>(garbage, path, RawCodec)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err.code(), Code::Internal | Code::InvalidArgument),
+        "{err:?}"
+    );
+    let r = health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        })
+        .await;
+    assert!(r.is_ok(), "the server still answers");
+    sidecar.stop().await;
+}
+
+/// Sends and receives raw bytes, to put malformed messages on the wire.
+#[derive(Debug, Clone, Default)]
+struct RawCodec;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = RawCodec;
+    type Decoder = RawCodec;
+    fn encoder(&mut self) -> Self::Encoder {
+        RawCodec
+    }
+    fn decoder(&mut self) -> Self::Decoder {
+        RawCodec
+    }
+}
+
+impl tonic::codec::Encoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(&mut self, item: Vec<u8>, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        use bytes::BufMut;
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn decode(&mut self, src: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
+        use bytes::Buf;
+        Ok(Some(src.copy_to_bytes(src.remaining()).to_vec()))
+    }
+}
