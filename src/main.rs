@@ -6,7 +6,10 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use kvtier_bench::{BenchTier, OffloadConfig, ProgressBar, RecoveryConfig, run_offload, run_recovery};
+use kvtier_bench::{
+    BenchTier, MatchBenchConfig, OffloadConfig, ProgressBar, RecoveryConfig, SidecarTarget, run_match,
+    run_offload, run_offload_sidecar, run_recovery,
+};
 use kvtier_core::{BlockHasher, ByteSize, Dtype, KvGeometry, Namespace};
 use kvtier_server::ServerConfig;
 use kvtier_store::{DirectIo, EvictionKind};
@@ -84,6 +87,9 @@ enum BenchCommand {
     /// seed's lines (load_span_ms … batch_duplex_bw_gib_s), a plain-memcpy baseline from the
     /// same run, the ratio to it, and a bit-exact check of every block moved.
     Offload(OffloadArgs),
+    /// Match latency (p50/p99) and Match calls per second over the sidecar's Unix socket, at
+    /// several concurrencies.
+    Match(MatchArgs),
     /// Fill a disk tier, drop it, and time reopening it (the index rebuilt from region index
     /// files, or with --scan also from every header and payload).
     Recovery(RecoveryArgs),
@@ -186,7 +192,34 @@ struct OffloadArgs {
     /// or off.
     #[arg(long, default_value = "auto")]
     direct_io: DirectIo,
+    /// Run the workload through a gRPC sidecar instead, as an engine process would, and also
+    /// in-process in the same run, and print both and their ratio: `spawn` (start `kvtier
+    /// serve` as a child with matching settings), `in-process`, or the URL of a running
+    /// sidecar (unix:///path, http://host:port) whose geometry matches.
+    #[arg(long)]
+    sidecar: Option<String>,
     /// Print one JSON object with the configuration and every figure instead of the lines.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+struct MatchArgs {
+    #[command(flatten)]
+    geometry: GeometryArgs,
+    /// The sidecar: `in-process` (default), `spawn`, or a URL (unix:///path, http://host:port).
+    #[arg(long, default_value = "in-process")]
+    sidecar: String,
+    /// Concurrency levels (clients, each with its own connection and session).
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    clients: Vec<usize>,
+    /// Match calls per concurrency level.
+    #[arg(long, default_value_t = 20_000)]
+    requests: usize,
+    /// Keys per Match call (156 = a 10,000-token prompt in blocks of 64).
+    #[arg(long, default_value_t = 156)]
+    blocks: usize,
+    /// Print one JSON object instead of the lines.
     #[arg(long)]
     json: bool,
 }
@@ -253,6 +286,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Bench(BenchCommand::Offload(a)) => bench_offload(a),
         Command::Bench(BenchCommand::Recovery(a)) => bench_recovery(a),
+        Command::Bench(BenchCommand::Match(a)) => bench_match(a),
         Command::Keys(a) => keys(a),
         Command::Serve(a) => serve(a),
         Command::Health(a) => health(a),
@@ -301,10 +335,35 @@ fn bench_offload(a: OffloadArgs) -> Result<()> {
         config.transfer.resolved_load_threads(),
         config.transfer.resolved_store_threads(),
     );
+    if let Some(target) = &a.sidecar {
+        let target = SidecarTarget::parse(target);
+        let mut bar = ProgressBar::new("offload", 2 * (rounds + a.warmup_rounds) as u64);
+        let report = run_offload_sidecar(&config, &target, &mut |done, _| bar.update(done as u64));
+        bar.finish();
+        return print_report(&report.context("bench offload --sidecar")?, a.json, |r| r.lines());
+    }
     let mut bar = ProgressBar::new("offload", (rounds + a.warmup_rounds) as u64);
     let report = run_offload(&config, &mut |done, _| bar.update(done as u64));
     bar.finish();
     print_report(&report.context("bench offload")?, a.json, |r| r.lines())
+}
+
+fn bench_match(a: MatchArgs) -> Result<()> {
+    let config = MatchBenchConfig {
+        target: SidecarTarget::parse(&a.sidecar),
+        clients: a.clients,
+        requests: a.requests,
+        blocks: a.blocks,
+        geometry: a.geometry.geometry()?,
+    };
+    eprintln!(
+        "kvtier bench match: {} keys per call, {} calls per level, clients {:?}, sidecar {:?}",
+        config.blocks, config.requests, config.clients, config.target
+    );
+    let mut bar = ProgressBar::new("match", config.clients.len() as u64);
+    let report = run_match(&config, &mut |done, _| bar.update(done as u64));
+    bar.finish();
+    print_report(&report.context("bench match")?, a.json, |r| r.lines())
 }
 
 fn bench_recovery(a: RecoveryArgs) -> Result<()> {
@@ -373,6 +432,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         return Ok(());
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.server.resolved_rpc_threads())
         .enable_all()
         .thread_name("kvtier-rpc")
         .build()

@@ -60,13 +60,6 @@ impl Engine {
         }
     }
 
-    fn chain(keys: &[BlockKey], first_slot: u32) -> Vec<(BlockKey, Option<BlockKey>, u32)> {
-        keys.iter()
-            .enumerate()
-            .map(|(i, &k)| (k, i.checked_sub(1).map(|p| keys[p]), first_slot + i as u32))
-            .collect()
-    }
-
     fn slots(keys: &[BlockKey], first_slot: u32) -> Vec<(BlockKey, u32)> {
         keys.iter()
             .enumerate()
@@ -92,7 +85,7 @@ async fn store_match_load_round_trip_bit_exact() {
     e.write(&keys, 0);
     let stored = e
         .client
-        .store(&e.handle, "", &Engine::chain(&keys[..10], 0))
+        .store(&e.handle, "", None, &Engine::slots(&keys[..10], 0))
         .await
         .unwrap();
     assert_eq!(stored.stored_blocks, 10);
@@ -100,13 +93,22 @@ async fn store_match_load_round_trip_bit_exact() {
     // Match by tokens (the sidecar hashes them) and by keys agree.
     let by_tokens = e.client.match_tokens(&e.handle, "", &tokens).await.unwrap();
     let by_keys = e.client.match_keys(&e.handle, "", &keys).await.unwrap();
-    assert_eq!(by_tokens, by_keys);
-    assert_eq!(by_keys.blocks.len(), 10);
+    assert_eq!(
+        (&by_tokens.tiers, by_tokens.matched_tokens),
+        (&by_keys.tiers, by_keys.matched_tokens)
+    );
+    assert_eq!(
+        kvtier_server::wire::unpack_keys("keys", &by_tokens.keys).unwrap(),
+        keys[..10].to_vec(),
+        "token matches return their keys"
+    );
+    assert!(by_keys.keys.is_empty(), "key matches do not echo them");
+    assert_eq!(by_keys.tiers.len(), 10);
     assert_eq!(
         (by_keys.matched_tokens, by_keys.host_tokens, by_keys.device_tokens),
         (160, 160, 0)
     );
-    assert!(by_keys.blocks.iter().all(|b| b.tier == proto::Tier::Host as i32));
+    assert!(by_keys.tiers.iter().all(|&t| t == proto::Tier::Host as i32));
     // Another tenant's salt matches nothing.
     assert_eq!(
         e.client
@@ -139,7 +141,7 @@ async fn store_match_load_round_trip_bit_exact() {
     assert_eq!(e.client.device_events(&e.handle, &resident).await.unwrap(), 3);
     let m = e.client.match_keys(&e.handle, "", &keys).await.unwrap();
     assert_eq!((m.device_tokens, m.host_tokens), (48, 112));
-    assert_eq!(m.blocks[2].device_slot, 22);
+    assert_eq!(m.device_slots[2], 22);
     assert_eq!(
         e.client
             .device_events(&e.handle, &[(keys[0], None)])
@@ -161,52 +163,56 @@ async fn every_bad_request_gets_its_status_and_changes_nothing() {
     let keys = e.handle.keys("", &(0..16 * 4).collect::<Vec<u32>>()).unwrap();
     e.write(&keys, 0);
     e.client
-        .store(&e.handle, "", &Engine::chain(&keys, 0))
+        .store(&e.handle, "", None, &Engine::slots(&keys, 0))
         .await
         .unwrap();
     let sid = e.client.session_id();
     let rpc = e.client.rpc();
 
     // Unknown session and pool.
-    let m = |session_id, pool_id, keys: Vec<Vec<u8>>| proto::MatchRequest {
+    let pack = |ks: &[BlockKey]| kvtier_server::wire::pack_keys(ks);
+    let m = |session_id, pool_id, keys| proto::MatchRequest {
         session_id,
         pool_id,
         keys,
         ..Default::default()
     };
-    let k = |i: usize| keys[i].to_le_bytes().to_vec();
     assert_eq!(
-        rpc.r#match(m(999, e.handle.id, vec![k(0)]))
+        rpc.r#match(m(999, e.handle.id, pack(&keys[..1])))
             .await
             .unwrap_err()
             .code(),
         Code::NotFound
     );
-    let err = rpc.r#match(m(sid, 12345, vec![k(0)])).await.unwrap_err();
+    let err = rpc.r#match(m(sid, 12345, pack(&keys[..1]))).await.unwrap_err();
     assert_eq!(
         (err.code(), err.message()),
         (Code::NotFound, "unknown pool 12345")
     );
     // Wrong key length, empty batch, both keys and tokens, oversized batch.
     let err = rpc
-        .r#match(m(sid, e.handle.id, vec![vec![1; 15]]))
+        .r#match(m(sid, e.handle.id, vec![1u8; 15].into()))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(
-        err.message().contains("keys 0: a block key is 16 bytes, got 15"),
+        err.message()
+            .contains("keys: 15 bytes is not a whole number of 16-byte block keys"),
         "{}",
         err.message()
     );
     assert_eq!(
-        rpc.r#match(m(sid, e.handle.id, vec![])).await.unwrap_err().code(),
+        rpc.r#match(m(sid, e.handle.id, Default::default()))
+            .await
+            .unwrap_err()
+            .code(),
         Code::InvalidArgument
     );
-    let mut both = m(sid, e.handle.id, vec![k(0)]);
+    let mut both = m(sid, e.handle.id, pack(&keys[..1]));
     both.token_ids = vec![1; 16];
     assert_eq!(rpc.r#match(both).await.unwrap_err().code(), Code::InvalidArgument);
     let err = rpc
-        .r#match(m(sid, e.handle.id, vec![k(0); 101]))
+        .r#match(m(sid, e.handle.id, pack(&vec![keys[0]; 101])))
         .await
         .unwrap_err();
     assert!(
@@ -215,48 +221,40 @@ async fn every_bad_request_gets_its_status_and_changes_nothing() {
         err.message()
     );
 
-    // Slot out of range, duplicate slot, bad key in a load; bad parent in a store.
-    let load = |blocks: Vec<proto::BlockSlot>, deadline_ms| proto::LoadRequest {
+    // Slot out of range, duplicate slot, keys without slots, nothing to load; a bad parent.
+    let load = |ks: &[BlockKey], slots: Vec<u32>| proto::LoadRequest {
         session_id: sid,
         pool_id: e.handle.id,
-        blocks,
-        deadline_ms,
+        keys: pack(ks),
+        slots,
         ..Default::default()
     };
-    let bs = |i: usize, slot| proto::BlockSlot {
-        key: k(i),
-        slot,
-        parent: vec![],
-    };
-    let err = rpc.load(load(vec![bs(0, 8)], 0)).await.unwrap_err();
+    let err = rpc.load(load(&keys[..1], vec![8])).await.unwrap_err();
     assert!(
         err.code() == Code::InvalidArgument && err.message().contains("slot 8 out of range"),
         "{}",
         err.message()
     );
     assert_eq!(
-        rpc.load(load(vec![bs(0, 1), bs(1, 1)], 0))
-            .await
-            .unwrap_err()
-            .code(),
+        rpc.load(load(&keys[..2], vec![1, 1])).await.unwrap_err().code(),
         Code::InvalidArgument
     );
+    let err = rpc.load(load(&keys[..2], vec![1])).await.unwrap_err();
+    assert!(err.message().contains("2 keys but 1 slots"), "{}", err.message());
     assert_eq!(
-        rpc.load(load(vec![], 0)).await.unwrap_err().code(),
+        rpc.load(load(&[], vec![])).await.unwrap_err().code(),
         Code::InvalidArgument
     );
     let store = proto::StoreRequest {
         session_id: sid,
         pool_id: e.handle.id,
-        blocks: vec![proto::BlockSlot {
-            key: k(0),
-            slot: 0,
-            parent: vec![0; 3],
-        }],
+        keys: pack(&keys[..1]),
+        slots: vec![0],
+        parent: vec![0u8; 3].into(),
         ..Default::default()
     };
     let err = rpc.store(store).await.unwrap_err();
-    assert!(err.message().contains("blocks[].parent 0"), "{}", err.message());
+    assert!(err.message().contains("parent: 3 bytes"), "{}", err.message());
 
     // Device events: slot out of range, unknown kind.
     let ev = |kind, slot| proto::DeviceEventsRequest {
@@ -264,7 +262,7 @@ async fn every_bad_request_gets_its_status_and_changes_nothing() {
         pool_id: e.handle.id,
         events: vec![proto::DeviceEvent {
             kind,
-            key: k(0),
+            key: kvtier_server::wire::pack_keys(&keys[..1]),
             slot,
         }],
     };
@@ -319,7 +317,9 @@ async fn every_bad_request_gets_its_status_and_changes_nothing() {
         Code::FailedPrecondition
     );
     let mut cuda = reg(geometry(), &path, 8);
-    cuda.location = Some(proto::register_pool_request::Location::CudaIpcHandle(vec![0; 64]));
+    cuda.location = Some(proto::register_pool_request::Location::CudaIpcHandle(
+        vec![0u8; 64].into(),
+    ));
     assert_eq!(
         rpc.register_pool(cuda).await.unwrap_err().code(),
         Code::FailedPrecondition
@@ -339,7 +339,7 @@ async fn every_bad_request_gets_its_status_and_changes_nothing() {
 
     // Nothing above changed the tier or leaked a pin.
     let m = e.client.match_keys(&e.handle, "", &keys).await.unwrap();
-    assert_eq!(m.blocks.len(), 4);
+    assert_eq!(m.tiers.len(), 4);
     let stats = e.client.stats().await.unwrap();
     assert_eq!((stats.pools, stats.pinned_blocks), (1, 0));
     drop(e);
@@ -353,7 +353,7 @@ async fn an_expired_deadline_cancels_the_load_and_releases_its_pins() {
     let keys = e.handle.keys("", &(0..16 * 1024).collect::<Vec<u32>>()).unwrap();
     e.write(&keys, 0);
     e.client
-        .store(&e.handle, "", &Engine::chain(&keys, 0))
+        .store(&e.handle, "", None, &Engine::slots(&keys, 0))
         .await
         .unwrap();
     // 16 MiB to copy: far more than a microsecond-scale deadline allows.
@@ -384,11 +384,11 @@ async fn pins_hold_until_unpin_ttl_or_session_end() {
         .unwrap();
     e.write(&keys, 0);
     e.client
-        .store(&e.handle, "", &Engine::chain(&keys[..4], 0))
+        .store(&e.handle, "", None, &Engine::slots(&keys[..4], 0))
         .await
         .unwrap();
     let p = e.client.pin(&e.handle, "", &keys, None).await.unwrap();
-    assert_eq!((p.pinned_blocks, p.missing.len()), (4, 2));
+    assert_eq!((p.pinned_blocks, p.missing.len()), (4, 2 * 16));
     assert_eq!(e.client.stats().await.unwrap().pinned_blocks, 4);
     assert_eq!(e.client.unpin(p.pin_id).await.unwrap(), 4);
     assert_eq!(e.client.stats().await.unwrap().pinned_blocks, 0);
@@ -436,7 +436,7 @@ async fn clear_forgets_a_namespace() {
         let keys = e.handle.keys(salt, &tokens).unwrap();
         e.write(&keys, first);
         e.client
-            .store(&e.handle, salt, &Engine::chain(&keys, first))
+            .store(&e.handle, salt, None, &Engine::slots(&keys, first))
             .await
             .unwrap();
     }

@@ -47,12 +47,8 @@ async fn client(target: &str, dir: &Path) {
                 .unwrap();
         }
     }
-    let chain: Vec<_> = keys
-        .iter()
-        .enumerate()
-        .map(|(i, &k)| (k, i.checked_sub(1).map(|p| keys[p]), i as u32))
-        .collect();
-    let stored = c.store(&h, "", &chain).await.unwrap();
+    let run: Vec<_> = keys.iter().enumerate().map(|(i, &k)| (k, i as u32)).collect();
+    let stored = c.store(&h, "", None, &run).await.unwrap();
     assert_eq!(stored.stored_blocks, BLOCKS);
     assert_eq!(
         c.match_tokens(&h, "", &tokens).await.unwrap().matched_tokens,

@@ -12,9 +12,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fds = protox::compile([&file], [&root])?;
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(out.join("kvtier_descriptor.bin"), fds.encode_to_vec())?;
+    // `bytes` fields as `bytes::Bytes`: decoding slices the receive buffer instead of copying.
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
+        .bytes(".")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -9,10 +9,17 @@ mod error;
 mod offload;
 mod progress;
 mod recovery;
+mod sidecar;
 mod summary;
+mod workload;
 
 pub use error::BenchError;
 pub use offload::{BenchTier, DiskFigures, OffloadConfig, OffloadReport, run_offload};
 pub use progress::ProgressBar;
 pub use recovery::{RecoveryConfig, RecoveryReport, run_recovery};
+pub use sidecar::{
+    MatchBenchConfig, MatchBenchReport, MatchFigures, SidecarOffloadReport, SidecarTarget, run_match,
+    run_offload_sidecar,
+};
 pub use summary::Summary;
+pub use workload::SeedFigures;

@@ -20,6 +20,7 @@ use std::time::Duration;
 use hyper_util::rt::TokioIo;
 use kvtier_core::{BlockHasher, BlockKey, CoreError, Dtype, KvGeometry, Namespace, NamespaceFingerprint};
 use kvtier_server::proto::{self, kv_tier_client::KvTierClient};
+use kvtier_server::wire::{pack_keys, unpack_keys};
 use kvtier_transfer::{CpuDevicePool, DevicePool};
 use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;
@@ -65,7 +66,8 @@ impl Interceptor for Auth {
     }
 }
 
-type Rpc = KvTierClient<InterceptedService<Channel, Auth>>;
+/// The generated gRPC stub with the bearer-token interceptor.
+pub type Stub = KvTierClient<InterceptedService<Channel, Auth>>;
 
 /// A registered device pool: its id and the namespace keys are hashed in.
 #[derive(Debug, Clone)]
@@ -117,7 +119,7 @@ pub struct LoadOutcome {
 /// A connection and a session with the kvtier sidecar.
 #[derive(Debug)]
 pub struct Client {
-    rpc: Rpc,
+    rpc: Stub,
     session_id: u64,
     geometry: KvGeometry,
     session_task: tokio::task::JoinHandle<()>,
@@ -130,13 +132,8 @@ impl Drop for Client {
     }
 }
 
-fn to_keys(v: &[Vec<u8>]) -> Result<Vec<BlockKey>, ClientError> {
-    v.iter()
-        .map(|k| {
-            BlockKey::from_le_slice(k)
-                .ok_or_else(|| ClientError::Protocol(format!("a key of {} bytes", k.len())))
-        })
-        .collect()
+fn to_keys(packed: &[u8]) -> Result<Vec<BlockKey>, ClientError> {
+    unpack_keys("keys", packed).map_err(|e| ClientError::Protocol(e.to_string()))
 }
 
 fn geometry_from(g: &proto::KvGeometry) -> Result<KvGeometry, ClientError> {
@@ -278,8 +275,13 @@ impl Client {
     }
 
     /// The raw gRPC stub, for calls this client does not wrap.
-    pub fn rpc(&mut self) -> &mut Rpc {
+    pub fn rpc(&mut self) -> &mut Stub {
         &mut self.rpc
+    }
+
+    /// A clone of the stub (same connection and session), for concurrent calls.
+    pub fn stub(&self) -> Stub {
+        self.rpc.clone()
     }
 
     /// Registers a CPU device pool the engine created (by its shared-memory path).
@@ -352,7 +354,7 @@ impl Client {
                 session_id: self.session_id,
                 pool_id: pool.id,
                 cache_salt: salt.to_owned(),
-                keys: keys.iter().map(|k| k.to_le_bytes().to_vec()).collect(),
+                keys: pack_keys(keys),
                 token_ids: Vec::new(),
             })
             .await?
@@ -375,7 +377,7 @@ impl Client {
                 session_id: self.session_id,
                 pool_id: pool.id,
                 cache_salt: salt.to_owned(),
-                keys: Vec::new(),
+                keys: Default::default(),
                 token_ids: tokens.to_vec(),
             })
             .await?
@@ -400,14 +402,8 @@ impl Client {
                 session_id: self.session_id,
                 pool_id: pool.id,
                 cache_salt: salt.to_owned(),
-                blocks: blocks
-                    .iter()
-                    .map(|(k, slot)| proto::BlockSlot {
-                        key: k.to_le_bytes().to_vec(),
-                        slot: *slot,
-                        parent: Vec::new(),
-                    })
-                    .collect(),
+                keys: pack_keys(&blocks.iter().map(|b| b.0).collect::<Vec<_>>()),
+                slots: blocks.iter().map(|b| b.1).collect(),
                 deadline_ms: deadline.map_or(0, |d| d.as_millis().max(1) as u64),
             })
             .await?
@@ -443,8 +439,9 @@ impl Client {
         ))
     }
 
-    /// Stores `(key, parent, slot)` blocks (a sequence in order: each block's parent is the one
-    /// before it). Returns when the device slots may be reused.
+    /// Stores a contiguous run of one sequence's blocks, `(key, slot)` in order; `parent` is
+    /// the key of the block before the first (`None` when the run starts the sequence).
+    /// Returns when the device slots may be reused.
     ///
     /// # Errors
     /// The sidecar's status.
@@ -452,7 +449,8 @@ impl Client {
         &mut self,
         pool: &PoolHandle,
         salt: &str,
-        blocks: &[(BlockKey, Option<BlockKey>, u32)],
+        parent: Option<BlockKey>,
+        blocks: &[(BlockKey, u32)],
     ) -> Result<StoreResponse, ClientError> {
         Ok(self
             .rpc
@@ -460,14 +458,9 @@ impl Client {
                 session_id: self.session_id,
                 pool_id: pool.id,
                 cache_salt: salt.to_owned(),
-                blocks: blocks
-                    .iter()
-                    .map(|(k, parent, slot)| proto::BlockSlot {
-                        key: k.to_le_bytes().to_vec(),
-                        slot: *slot,
-                        parent: parent.map(|p| p.to_le_bytes().to_vec()).unwrap_or_default(),
-                    })
-                    .collect(),
+                keys: pack_keys(&blocks.iter().map(|b| b.0).collect::<Vec<_>>()),
+                slots: blocks.iter().map(|b| b.1).collect(),
+                parent: parent.map(|p| pack_keys(&[p])).unwrap_or_default(),
             })
             .await?
             .into_inner())
@@ -497,7 +490,7 @@ impl Client {
                         } else {
                             Kind::Removed
                         } as i32,
-                        key: k.to_le_bytes().to_vec(),
+                        key: pack_keys(&[*k]),
                         slot: slot.unwrap_or(0),
                     })
                     .collect(),
@@ -524,7 +517,7 @@ impl Client {
                 session_id: self.session_id,
                 pool_id: pool.id,
                 cache_salt: salt.to_owned(),
-                keys: keys.iter().map(|k| k.to_le_bytes().to_vec()).collect(),
+                keys: pack_keys(keys),
                 ttl_ms: ttl.map_or(0, |d| d.as_millis().max(1) as u64),
             })
             .await?
@@ -556,7 +549,7 @@ impl Client {
     }
 }
 
-/// The key of each loaded/missing entry in a final report.
+/// The keys of the blocks a final report says were not loaded.
 ///
 /// # Errors
 /// [`ClientError::Protocol`] for a key that is not 16 bytes.

@@ -21,13 +21,11 @@ pub enum ServerError {
     /// A pin id that is not held by this session.
     #[error("unknown pin {0}")]
     UnknownPin(u64),
-    /// A key field that is not 16 bytes.
-    #[error("{field} {index}: a block key is 16 bytes, got {len}")]
-    BadKey {
-        /// Which field (`keys`, `blocks[].key`, `blocks[].parent`, `events[].key`).
+    /// A field of packed keys whose length is not a multiple of 16 bytes.
+    #[error("{field}: {len} bytes is not a whole number of 16-byte block keys")]
+    BadKeys {
+        /// Which field (`keys`, `parent`, `events[].key`).
         field: &'static str,
-        /// Its position.
-        index: usize,
         /// Its length.
         len: usize,
     },
@@ -107,7 +105,7 @@ pub fn code_of(e: &ServerError) -> Code {
         ServerError::UnknownSession(_) | ServerError::UnknownPool(_) | ServerError::UnknownPin(_) => {
             Code::NotFound
         }
-        ServerError::BadKey { .. }
+        ServerError::BadKeys { .. }
         | ServerError::EmptyBatch(_)
         | ServerError::BatchTooLarge { .. }
         | ServerError::InvalidArgument(_)
@@ -167,9 +165,8 @@ mod tests {
         for (e, code) in [
             (ServerError::UnknownPool(3), Code::NotFound),
             (
-                ServerError::BadKey {
+                ServerError::BadKeys {
                     field: "keys",
-                    index: 2,
                     len: 15,
                 },
                 Code::InvalidArgument,

@@ -16,6 +16,7 @@ mod serve;
 mod service;
 mod state;
 mod stats;
+pub mod wire;
 
 pub use config::{ListenConfig, ModelConfig, ServerConfig};
 pub use error::{ServerError, code_of};

@@ -24,6 +24,7 @@ use crate::error::code_of;
 use crate::metric_names as m;
 use crate::proto::{self, kv_tier_server::KvTier};
 use crate::state::{PoolEntry, Residency, ServerState, SessionGuard};
+use crate::wire::{pack_keys, unpack_key, unpack_keys};
 
 /// The gRPC service. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -137,12 +138,24 @@ fn geometry_from_proto(g: Option<&proto::KvGeometry>) -> Result<KvGeometry, Serv
     )?)
 }
 
-fn key(field: &'static str, index: usize, bytes: &[u8]) -> Result<BlockKey, ServerError> {
-    BlockKey::from_le_slice(bytes).ok_or(ServerError::BadKey {
+fn key(field: &'static str, bytes: &[u8]) -> Result<BlockKey, ServerError> {
+    BlockKey::from_le_slice(bytes).ok_or(ServerError::BadKeys {
         field,
-        index,
         len: bytes.len(),
     })
+}
+
+/// Keys and their slots, which must pair up.
+fn keys_and_slots(keys: &[u8], slots: &[u32]) -> Result<Vec<(BlockKey, u32)>, ServerError> {
+    let keys = unpack_keys("keys", keys)?;
+    if keys.len() != slots.len() {
+        return Err(ServerError::InvalidArgument(format!(
+            "{} keys but {} slots: give one slot per key",
+            keys.len(),
+            slots.len()
+        )));
+    }
+    Ok(keys.into_iter().zip(slots.iter().copied()).collect())
 }
 
 fn timing_to_proto(t: &TransferTiming) -> proto::TransferTiming {
@@ -185,10 +198,11 @@ impl KvTierService {
         keys: &[BlockKey],
     ) -> Vec<Found> {
         let state = &self.state;
+        let device = pool.device_slots(keys);
         let mut out = Vec::with_capacity(keys.len());
         let mut i = 0;
         while i < keys.len() {
-            if let Some(slot) = pool.device_slot(keys[i]) {
+            if let Some(slot) = device[i] {
                 out.push(Found::Device(slot));
                 i += 1;
                 continue;
@@ -199,7 +213,7 @@ impl KvTierService {
                 break;
             }
             for t in m.tiers {
-                out.push(pool.device_slot(keys[i]).map_or(Found::Tier(t), Found::Device));
+                out.push(device[i].map_or(Found::Tier(t), Found::Device));
                 i += 1;
             }
         }
@@ -327,7 +341,7 @@ impl KvTier for KvTierService {
             );
             Ok(proto::RegisterPoolResponse {
                 pool_id: entry.id,
-                namespace_fingerprint: ns.to_le_bytes().to_vec(),
+                namespace_fingerprint: ns.to_le_bytes().to_vec().into(),
             })
         })
         .await
@@ -353,22 +367,20 @@ impl KvTier for KvTierService {
             let r = request.into_inner();
             let pool = self.state.pool(r.session_id, r.pool_id)?;
             let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
-            let keys: Vec<BlockKey> = match (r.keys.is_empty(), r.token_ids.is_empty()) {
-                (false, true) => {
-                    self.check_batch("keys", r.keys.len())?;
-                    r.keys
-                        .iter()
-                        .enumerate()
-                        .map(|(i, k)| key("keys", i, k))
-                        .collect::<Result<_, _>>()?
+            let from_tokens = !r.token_ids.is_empty();
+            let keys: Vec<BlockKey> = match (r.keys.is_empty(), from_tokens) {
+                (false, false) => {
+                    let keys = unpack_keys("keys", &r.keys)?;
+                    self.check_batch("keys", keys.len())?;
+                    keys
                 }
-                (true, false) => {
+                (true, true) => {
                     let bt = self.state.geometry.block_tokens() as usize;
                     self.check_batch("token_ids", r.token_ids.len() / bt)?;
                     BlockHasher::new(ns, self.state.geometry.block_tokens()).keys(&r.token_ids)
                 }
-                (true, true) => return Err(ServerError::EmptyBatch("keys or token_ids")),
-                (false, false) => {
+                (true, false) => return Err(ServerError::EmptyBatch("keys or token_ids")),
+                (false, true) => {
                     return Err(ServerError::InvalidArgument(
                         "give keys or token_ids, not both".into(),
                     ));
@@ -376,9 +388,13 @@ impl KvTier for KvTierService {
             };
             let found = self.locate(&pool, ns, &keys);
             let bt = u64::from(self.state.geometry.block_tokens());
-            let mut resp = proto::MatchResponse::default();
+            let mut resp = proto::MatchResponse {
+                tiers: Vec::with_capacity(found.len()),
+                device_slots: Vec::with_capacity(found.len()),
+                ..Default::default()
+            };
             let (mut dev, mut host, mut disk) = (0u64, 0u64, 0u64);
-            for (k, f) in keys.iter().zip(&found) {
+            for f in &found {
                 let (tier, slot) = match f {
                     Found::Device(slot) => {
                         dev += 1;
@@ -393,11 +409,11 @@ impl KvTier for KvTierService {
                         (proto::Tier::Disk, 0)
                     }
                 };
-                resp.blocks.push(proto::BlockLocation {
-                    key: k.to_le_bytes().to_vec(),
-                    tier: tier as i32,
-                    device_slot: slot,
-                });
+                resp.tiers.push(tier as i32);
+                resp.device_slots.push(slot);
+            }
+            if from_tokens {
+                resp.keys = pack_keys(&keys[..found.len()]);
             }
             resp.matched_tokens = found.len() as u64 * bt;
             resp.device_tokens = dev * bt;
@@ -418,19 +434,13 @@ impl KvTier for KvTierService {
             self.refuse_if_shutting_down()?;
             let r = request.into_inner();
             let pool = self.state.pool(r.session_id, r.pool_id)?;
-            self.check_batch("blocks", r.blocks.len())?;
+            let pairs = keys_and_slots(&r.keys, &r.slots)?;
+            self.check_batch("keys", pairs.len())?;
             let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
-            let blocks: Vec<LoadBlock> = r
-                .blocks
-                .iter()
-                .enumerate()
-                .map(|(i, b)| {
-                    Ok(LoadBlock {
-                        key: key("blocks[].key", i, &b.key)?,
-                        slot: b.slot,
-                    })
-                })
-                .collect::<Result<_, ServerError>>()?;
+            let blocks: Vec<LoadBlock> = pairs
+                .into_iter()
+                .map(|(key, slot)| LoadBlock { key, slot })
+                .collect();
             let deadline = (r.deadline_ms > 0).then(|| arrived + Duration::from_millis(r.deadline_ms));
             let state = Arc::clone(&self.state);
             let device = Arc::clone(&pool.device);
@@ -452,24 +462,18 @@ impl KvTier for KvTierService {
             self.refuse_if_shutting_down()?;
             let r = request.into_inner();
             let pool = self.state.pool(r.session_id, r.pool_id)?;
-            self.check_batch("blocks", r.blocks.len())?;
+            let pairs = keys_and_slots(&r.keys, &r.slots)?;
+            self.check_batch("keys", pairs.len())?;
+            let mut parent = unpack_key("parent", &r.parent)?;
             let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
-            let blocks: Vec<StoreBlock> = r
-                .blocks
-                .iter()
-                .enumerate()
-                .map(|(i, b)| {
-                    Ok(StoreBlock {
-                        key: key("blocks[].key", i, &b.key)?,
-                        parent: if b.parent.is_empty() {
-                            None
-                        } else {
-                            Some(key("blocks[].parent", i, &b.parent)?)
-                        },
-                        slot: b.slot,
-                    })
+            let blocks: Vec<StoreBlock> = pairs
+                .into_iter()
+                .map(|(key, slot)| {
+                    let b = StoreBlock { key, parent, slot };
+                    parent = Some(key);
+                    b
                 })
-                .collect::<Result<_, ServerError>>()?;
+                .collect();
             let state = Arc::clone(&self.state);
             let device = Arc::clone(&pool.device);
             let report = blocking(move || {
@@ -485,7 +489,7 @@ impl KvTier for KvTierService {
             Ok(proto::StoreResponse {
                 stored_blocks: report.stored_blocks as u32,
                 already_stored: report.already_stored as u32,
-                no_space: report.no_space.iter().map(|k| k.to_le_bytes().to_vec()).collect(),
+                no_space: pack_keys(&report.no_space),
                 bytes: report.bytes,
                 timing: Some(timing_to_proto(&report.timing)),
             })
@@ -512,10 +516,10 @@ impl KvTier for KvTierService {
                                 num_slots: slots,
                             }));
                         }
-                        Residency::Stored(key("events[].key", i, &e.key)?, e.slot)
+                        Residency::Stored(key("events[].key", &e.key)?, e.slot)
                     }
                     Ok(proto::device_event::Kind::Removed) => {
-                        Residency::Removed(key("events[].key", i, &e.key)?)
+                        Residency::Removed(key("events[].key", &e.key)?)
                     }
                     Ok(proto::device_event::Kind::Cleared) => Residency::Cleared,
                     _ => {
@@ -539,14 +543,15 @@ impl KvTier for KvTierService {
         observed("Pin", async {
             let r = request.into_inner();
             let pool = self.state.pool(r.session_id, r.pool_id)?;
-            self.check_batch("keys", r.keys.len())?;
+            let keys = unpack_keys("keys", &r.keys)?;
+            self.check_batch("keys", keys.len())?;
             let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
-            let mut pages = Vec::with_capacity(r.keys.len());
+            let mut pages = Vec::with_capacity(keys.len());
             let mut missing = Vec::new();
-            for (i, k) in r.keys.iter().enumerate() {
-                match self.state.store.host().pin(ns, key("keys", i, k)?) {
+            for k in keys {
+                match self.state.store.host().pin(ns, k) {
                     Some(p) => pages.push(p),
-                    None => missing.push(k.clone()),
+                    None => missing.push(k),
                 }
             }
             let pinned = pages.len() as u32;
@@ -555,7 +560,7 @@ impl KvTier for KvTierService {
             Ok(proto::PinResponse {
                 pin_id,
                 pinned_blocks: pinned,
-                missing,
+                missing: pack_keys(&missing),
             })
         })
         .await
@@ -643,7 +648,7 @@ fn forward_load(
             }
             Ok(Some(LoadEvent::Missing { keys })) => {
                 Ok(ev(proto::load_event::Event::Missing(proto::BlocksMissing {
-                    keys: keys.iter().map(|k| k.to_le_bytes().to_vec()).collect(),
+                    keys: pack_keys(&keys),
                 })))
             }
             Ok(Some(LoadEvent::Done(Ok(r)))) => {
@@ -653,7 +658,7 @@ fn forward_load(
                 let done = proto::LoadDone {
                     loaded_blocks: r.loaded_blocks as u32,
                     disk_blocks: r.disk_blocks as u32,
-                    missing: r.missing.iter().map(|k| k.to_le_bytes().to_vec()).collect(),
+                    missing: pack_keys(&r.missing),
                     bytes: r.bytes,
                     timing: Some(timing_to_proto(&r.timing)),
                 };

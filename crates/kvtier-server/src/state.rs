@@ -52,9 +52,13 @@ impl PoolEntry {
         Ok(fp)
     }
 
-    /// The device slot holding `key`, if the engine reported it.
-    pub fn device_slot(&self, key: BlockKey) -> Option<u32> {
-        lock(&self.resident).get(&key).copied()
+    /// The device slot holding each of `keys`, as the engine reported (one lock for all).
+    pub fn device_slots(&self, keys: &[BlockKey]) -> Vec<Option<u32>> {
+        let r = lock(&self.resident);
+        if r.is_empty() {
+            return vec![None; keys.len()];
+        }
+        keys.iter().map(|k| r.get(k).copied()).collect()
     }
 
     /// Applies residency events; returns blocks resident afterwards.
