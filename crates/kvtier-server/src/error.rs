@@ -147,7 +147,7 @@ fn transfer_code(e: &TransferError) -> Code {
         | TransferError::SlotCountMismatch { .. }
         | TransferError::NoSlots => Code::FailedPrecondition,
         TransferError::QueueFull { .. } => Code::ResourceExhausted,
-        TransferError::ShutDown => Code::Unavailable,
+        TransferError::ShutDown | TransferError::WouldBlock => Code::Unavailable,
         TransferError::Cancelled => Code::Cancelled,
         TransferError::DeadlineExceeded => Code::DeadlineExceeded,
         TransferError::Store(e) => store_code(e),

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use kvtier_core::{BlockHasher, BlockKey, Dtype, KvGeometry};
 use kvtier_store::BlockTier;
 use kvtier_transfer::{
-    CpuDevicePool, DevicePool, LoadBlock, LoadEvent, StoreBlock, TransferError, TransferTiming,
+    CpuDevicePool, DevicePool, EventSink, InflightBlocks, LoadBlock, LoadEvent, LoadHandle, StoreBlock,
+    StoreEvent, TransferError, TransferTiming,
 };
 use metrics::{counter, histogram};
 use tokio::sync::mpsc;
@@ -442,14 +443,45 @@ impl KvTier for KvTierService {
                 .map(|(key, slot)| LoadBlock { key, slot })
                 .collect();
             let deadline = (r.deadline_ms > 0).then(|| arrived + Duration::from_millis(r.deadline_ms));
-            let state = Arc::clone(&self.state);
-            let device = Arc::clone(&pool.device);
-            let ticket =
-                blocking(move || Ok(state.queues.load.submit(&device, &state.store, ns, &blocks)?)).await?;
-            let (tx, rx) = mpsc::channel::<Result<proto::LoadEvent, Status>>(16);
-            let deadline_ms = r.deadline_ms;
-            tokio::task::spawn_blocking(move || forward_load(ticket, tx, deadline, deadline_ms));
-            Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)) as Self::LoadStream)
+            let (tx, rx) = mpsc::unbounded_channel();
+            let sink = EventSink::new(move |e| {
+                let _ = tx.send(e);
+            });
+            let state = &self.state;
+            // Submitting never waits here; a block another request is writing into the host
+            // tier right now sends the submission to a blocking thread to wait for it.
+            let handle = match state.queues.load.submit_to(
+                &pool.device,
+                &state.store,
+                ns,
+                &blocks,
+                sink.clone(),
+                InflightBlocks::Refuse,
+            ) {
+                Err(TransferError::WouldBlock) => {
+                    let state = Arc::clone(&self.state);
+                    let device = Arc::clone(&pool.device);
+                    blocking(move || {
+                        Ok(state.queues.load.submit_to(
+                            &device,
+                            &state.store,
+                            ns,
+                            &blocks,
+                            sink,
+                            InflightBlocks::Wait,
+                        )?)
+                    })
+                    .await?
+                }
+                r => r?,
+            };
+            let deadline = deadline.map(|d| (Box::pin(tokio::time::sleep_until(d.into())), r.deadline_ms));
+            Ok(Box::pin(LoadEvents {
+                rx,
+                handle,
+                deadline,
+                done: false,
+            }) as Self::LoadStream)
         })
         .await
     }
@@ -474,16 +506,23 @@ impl KvTier for KvTierService {
                     b
                 })
                 .collect();
-            let state = Arc::clone(&self.state);
-            let device = Arc::clone(&pool.device);
-            let report = blocking(move || {
-                Ok(state
+            // The copy is awaited on the runtime: a store worker completes the oneshot.
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let tx = std::sync::Mutex::new(Some(tx));
+            let sink = EventSink::new(move |e| {
+                if let StoreEvent::Copied(r) = e
+                    && let Some(tx) = tx.lock().unwrap_or_else(|e| e.into_inner()).take()
+                {
+                    let _ = tx.send(r);
+                }
+            });
+            let mut handle =
+                self.state
                     .queues
                     .store
-                    .submit(&device, &state.store, ns, &blocks)?
-                    .wait()?)
-            })
-            .await?;
+                    .submit_to(&pool.device, &self.state.store, ns, &blocks, sink)?;
+            let report = rx.await.unwrap_or(Err(TransferError::ShutDown))?;
+            handle.disarm();
             histogram!(m::TRANSFER_SECONDS, "route" => "device_to_host")
                 .record(report.timing.span().as_secs_f64());
             Ok(proto::StoreResponse {
@@ -625,59 +664,68 @@ impl KvTier for KvTierService {
     }
 }
 
-/// Forwards a load's events to its response stream (on a blocking thread). Stops — dropping
-/// the ticket, which cancels the load and releases its pins — when the client goes away or
-/// the deadline passes.
-fn forward_load(
-    mut ticket: kvtier_transfer::LoadTicket,
-    tx: mpsc::Sender<Result<proto::LoadEvent, Status>>,
-    deadline: Option<Instant>,
-    deadline_ms: u64,
-) {
-    let ev = |e| proto::LoadEvent { event: Some(e) };
-    loop {
-        let next = match deadline {
-            Some(d) => ticket.next_event_until(d),
-            None => Ok(ticket.next_event()),
+/// A load's events as its gRPC response stream. Dropping it before `Done` (the client went
+/// away, or the deadline passed) cancels the load.
+struct LoadEvents {
+    rx: mpsc::UnboundedReceiver<LoadEvent>,
+    handle: LoadHandle,
+    /// When to give up, and the deadline as the client gave it.
+    deadline: Option<(Pin<Box<tokio::time::Sleep>>, u64)>,
+    done: bool,
+}
+
+impl Stream for LoadEvents {
+    type Item = Result<proto::LoadEvent, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        // An event already delivered wins over a deadline that passed meanwhile.
+        let ev = match this.rx.poll_recv(cx) {
+            Poll::Ready(ev) => ev.unwrap_or(LoadEvent::Done(Err(TransferError::ShutDown))),
+            Poll::Pending => {
+                let Some((sleep, ms)) = &mut this.deadline else {
+                    return Poll::Pending;
+                };
+                if sleep.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                this.done = true;
+                counter!(m::GRPC_REQUESTS, "method" => "Load", "code" => "DEADLINE_EXCEEDED").increment(1);
+                return Poll::Ready(Some(Err(Status::from(ServerError::DeadlineExceeded(*ms)))));
+            }
         };
-        let msg = match next {
-            Ok(Some(LoadEvent::LayerReady { layer })) => {
-                Ok(ev(proto::load_event::Event::LayerReady(proto::LayerReady {
+        let ev_of = |e| proto::LoadEvent { event: Some(e) };
+        Poll::Ready(Some(match ev {
+            LoadEvent::LayerReady { layer } => {
+                Ok(ev_of(proto::load_event::Event::LayerReady(proto::LayerReady {
                     layer,
                 })))
             }
-            Ok(Some(LoadEvent::Missing { keys })) => {
-                Ok(ev(proto::load_event::Event::Missing(proto::BlocksMissing {
+            LoadEvent::Missing { keys } => {
+                Ok(ev_of(proto::load_event::Event::Missing(proto::BlocksMissing {
                     keys: pack_keys(&keys),
                 })))
             }
-            Ok(Some(LoadEvent::Done(Ok(r)))) => {
-                histogram!(m::TRANSFER_SECONDS, "route" => "host_to_device")
-                    .record(r.timing.span().as_secs_f64());
-                counter!(m::MISSING_BLOCKS).increment(r.missing.len() as u64);
-                let done = proto::LoadDone {
-                    loaded_blocks: r.loaded_blocks as u32,
-                    disk_blocks: r.disk_blocks as u32,
-                    missing: pack_keys(&r.missing),
-                    bytes: r.bytes,
-                    timing: Some(timing_to_proto(&r.timing)),
-                };
-                let _ = tx.blocking_send(Ok(ev(proto::load_event::Event::Done(done))));
-                return;
+            LoadEvent::Done(r) => {
+                this.done = true;
+                this.handle.disarm();
+                r.map(|r| {
+                    histogram!(m::TRANSFER_SECONDS, "route" => "host_to_device")
+                        .record(r.timing.span().as_secs_f64());
+                    counter!(m::MISSING_BLOCKS).increment(r.missing.len() as u64);
+                    ev_of(proto::load_event::Event::Done(proto::LoadDone {
+                        loaded_blocks: r.loaded_blocks as u32,
+                        disk_blocks: r.disk_blocks as u32,
+                        missing: pack_keys(&r.missing),
+                        bytes: r.bytes,
+                        timing: Some(timing_to_proto(&r.timing)),
+                    }))
+                })
+                .map_err(|e| Status::from(ServerError::Transfer(e)))
             }
-            Ok(Some(LoadEvent::Done(Err(e)))) => {
-                let _ = tx.blocking_send(Err(Status::from(ServerError::Transfer(e))));
-                return;
-            }
-            Ok(None) => return,
-            Err(_) => {
-                counter!(m::GRPC_REQUESTS, "method" => "Load", "code" => "DEADLINE_EXCEEDED").increment(1);
-                let _ = tx.blocking_send(Err(Status::from(ServerError::DeadlineExceeded(deadline_ms))));
-                return;
-            }
-        };
-        if tx.blocking_send(msg).is_err() {
-            return; // the client went away: dropping the ticket cancels the load
-        }
+        }))
     }
 }

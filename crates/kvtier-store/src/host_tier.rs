@@ -414,12 +414,8 @@ impl HostTier {
             if let Some(p) = self.pin(ns, key) {
                 return Some(p);
             }
-            let writing = inner
-                .index
-                .get(&key)
-                .is_some_and(|p| inner.meta[*p as usize].state.load(Ordering::Acquire) == WRITING);
             let now = Instant::now();
-            if !writing || now >= deadline {
+            if !self.is_writing(key) || now >= deadline {
                 return None;
             }
             guard = inner
@@ -429,6 +425,16 @@ impl HostTier {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
+
+    /// Whether block `key` is being written into a page right now (stored from a device or
+    /// promoted from disk): a pin would succeed once the writer commits.
+    pub fn is_writing(&self, key: BlockKey) -> bool {
+        let inner = &self.inner;
+        inner
+            .index
+            .get(&key)
+            .is_some_and(|p| inner.meta[*p as usize].state.load(Ordering::Acquire) == WRITING)
     }
 
     /// Whether block `key` of `ns` is resident and readable.

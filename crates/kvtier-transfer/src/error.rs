@@ -87,6 +87,9 @@ pub enum TransferError {
     /// The caller's deadline passed before the transfer finished (it was then cancelled).
     #[error("deadline passed before the transfer finished")]
     DeadlineExceeded,
+    /// A non-blocking load met a block being written into the host tier right now.
+    #[error("a block of the load is being written into the host tier; submit it where waiting is allowed")]
+    WouldBlock,
     /// The queue was shut down before the transfer finished.
     #[error("transfer queue shut down before the transfer finished")]
     ShutDown,

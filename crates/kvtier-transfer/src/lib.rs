@@ -13,6 +13,7 @@
 mod device_pool;
 mod disk_io_gate;
 mod error;
+mod event_sink;
 mod load_queue;
 mod queue_core;
 mod store_queue;
@@ -23,8 +24,11 @@ mod worker_pool;
 
 pub use device_pool::{CpuDevicePool, DevicePool, POOL_HEADER_BYTES};
 pub use error::TransferError;
-pub use load_queue::{LoadBlock, LoadEvent, LoadQueue, LoadReport, LoadTicket};
+pub use event_sink::EventSink;
+pub use load_queue::{InflightBlocks, LoadBlock, LoadEvent, LoadHandle, LoadQueue, LoadReport, LoadTicket};
 pub use queue_core::{QueueStats, Route, RouteFigures, RouteStats};
-pub use store_queue::{PersistReport, StoreBlock, StoreQueue, StoreReport, StoreTicket};
+pub use store_queue::{
+    PersistReport, StoreBlock, StoreEvent, StoreHandle, StoreQueue, StoreReport, StoreTicket,
+};
 pub use transfer_queues::{TransferConfig, TransferQueues};
 pub use transfer_timing::TransferTiming;

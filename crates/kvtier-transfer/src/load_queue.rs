@@ -10,6 +10,7 @@ use kvtier_core::{BlockKey, NamespaceFingerprint};
 use kvtier_store::{DiskTier, HostTier, PageWriter, PinnedPage, Reservation, StoreError, TieredStore};
 
 use crate::disk_io_gate::{DiskIoGate, PendingReads};
+use crate::event_sink::EventSink;
 use crate::queue_core::{QueueCore, QueueCounters, QueueStats, Route, Routes};
 use crate::transfer_job::{CancelOnDrop, ChunkPlan, Continuation, JobCore, lock, validate_request};
 use crate::transfer_timing::TransferTiming;
@@ -67,20 +68,50 @@ pub struct LoadReport {
 #[derive(Debug)]
 pub struct LoadTicket {
     rx: mpsc::Receiver<LoadEvent>,
+    handle: LoadHandle,
+}
+
+/// The requester's handle on a load submitted with [`LoadQueue::submit_to`]: dropping it
+/// before [`LoadEvent::Done`] cancels the load, as dropping a [`LoadTicket`] does.
+#[derive(Debug)]
+pub struct LoadHandle {
     cancel: CancelOnDrop,
     missing: Vec<BlockKey>,
 }
 
-impl LoadTicket {
+impl LoadHandle {
     /// Requested blocks in no tier at submission (so recomputing them can start at once). Disk
     /// reads that fail later are announced by [`LoadEvent::Missing`].
     pub fn missing(&self) -> &[BlockKey] {
         &self.missing
     }
 
+    /// The load finished: dropping the handle no longer cancels anything.
+    pub fn disarm(&mut self) {
+        self.cancel.disarm();
+    }
+}
+
+/// What [`LoadQueue::submit_to`] does about a block that is being written into the host tier
+/// right now (stored, or read from disk by another load).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InflightBlocks {
+    /// Wait for its writer, up to the configured wait; report it missing after that.
+    Wait,
+    /// Do not block: refuse the whole load with [`TransferError::WouldBlock`].
+    Refuse,
+}
+
+impl LoadTicket {
+    /// Requested blocks in no tier at submission (so recomputing them can start at once). Disk
+    /// reads that fail later are announced by [`LoadEvent::Missing`].
+    pub fn missing(&self) -> &[BlockKey] {
+        self.handle.missing()
+    }
+
     /// Blocks until the next event; `None` once `Done` has been returned.
     pub fn next_event(&mut self) -> Option<LoadEvent> {
-        if !self.cancel.armed() {
+        if !self.handle.cancel.armed() {
             return None;
         }
         let ev = self
@@ -88,7 +119,7 @@ impl LoadTicket {
             .recv()
             .unwrap_or(LoadEvent::Done(Err(TransferError::ShutDown)));
         if matches!(ev, LoadEvent::Done(_)) {
-            self.cancel.disarm();
+            self.handle.disarm();
         }
         Some(ev)
     }
@@ -99,7 +130,7 @@ impl LoadTicket {
     /// [`TransferError::DeadlineExceeded`] if no event came in time (the ticket is still
     /// armed: dropping it cancels the load).
     pub fn next_event_until(&mut self, deadline: Instant) -> Result<Option<LoadEvent>, TransferError> {
-        if !self.cancel.armed() {
+        if !self.handle.cancel.armed() {
             return Ok(None);
         }
         let timeout = deadline.saturating_duration_since(Instant::now());
@@ -109,7 +140,7 @@ impl LoadTicket {
             Err(mpsc::RecvTimeoutError::Disconnected) => LoadEvent::Done(Err(TransferError::ShutDown)),
         };
         if matches!(ev, LoadEvent::Done(_)) {
-            self.cancel.disarm();
+            self.handle.disarm();
         }
         Ok(Some(ev))
     }
@@ -183,6 +214,35 @@ impl LoadQueue {
         ns: NamespaceFingerprint,
         blocks: &[LoadBlock],
     ) -> Result<LoadTicket, TransferError> {
+        let (tx, rx) = mpsc::channel();
+        let handle = self.submit_to(
+            pool,
+            store,
+            ns,
+            blocks,
+            EventSink::channel(tx),
+            InflightBlocks::Wait,
+        )?;
+        Ok(LoadTicket { rx, handle })
+    }
+
+    /// Like [`LoadQueue::submit`], but the events go to `events` (on a load worker thread)
+    /// instead of a ticket to block on. With [`InflightBlocks::Refuse`] it never blocks, so an
+    /// async runtime can call it directly and fall back to a blocking thread on
+    /// [`TransferError::WouldBlock`].
+    ///
+    /// # Errors
+    /// As [`LoadQueue::submit`], and [`TransferError::WouldBlock`]; no event is sent and
+    /// nothing is pinned or queued when an error is returned.
+    pub fn submit_to(
+        &self,
+        pool: &Arc<dyn DevicePool>,
+        store: &TieredStore,
+        ns: NamespaceFingerprint,
+        blocks: &[LoadBlock],
+        events: EventSink<LoadEvent>,
+        inflight: InflightBlocks,
+    ) -> Result<LoadHandle, TransferError> {
         let geometry = *store.geometry();
         validate_request("load", pool.as_ref(), &geometry, blocks.iter().map(|b| b.slot))?;
         let submitted = Instant::now();
@@ -219,7 +279,12 @@ impl LoadQueue {
                     Err(e) => return Err(e.into()),
                 }
             }
-            match host.pin_waiting(ns, b.key, self.inflight_wait) {
+            let pin = match inflight {
+                InflightBlocks::Wait => host.pin_waiting(ns, b.key, self.inflight_wait),
+                InflightBlocks::Refuse if host.is_writing(b.key) => return Err(TransferError::WouldBlock),
+                InflightBlocks::Refuse => host.pin(ns, b.key),
+            };
+            match pin {
                 Some(pin) => ready.push((b.slot, pin)),
                 None => missing.push(b.key),
             }
@@ -230,10 +295,8 @@ impl LoadQueue {
         c.missing_blocks
             .fetch_add(missing.len() as u64, Ordering::Relaxed);
         c.no_space_blocks.fetch_add(no_space, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
-        let ticket = LoadTicket {
-            rx,
+        let handle = LoadHandle {
             cancel: CancelOnDrop::new(Arc::clone(&cancel)),
             missing: missing.clone(),
         };
@@ -243,7 +306,7 @@ impl LoadQueue {
             host: host.clone(),
             layer_bytes: geometry.bytes_per_block_layer(),
             chunk_bytes: self.core.chunk_bytes,
-            events: tx,
+            events,
             counters: Arc::clone(&self.core.counters),
             routes: Arc::clone(&self.core.routes),
             missing,
@@ -269,7 +332,7 @@ impl LoadQueue {
                 .core
                 .launch(Arc::new(LoadJob::new(request, ready, None, parts))),
         }
-        Ok(ticket)
+        Ok(handle)
     }
 
     /// A snapshot of the queue's counters.
@@ -303,7 +366,7 @@ struct LoadRequest {
     host: HostTier,
     layer_bytes: usize,
     chunk_bytes: usize,
-    events: mpsc::Sender<LoadEvent>,
+    events: EventSink<LoadEvent>,
     counters: Arc<QueueCounters>,
     routes: Arc<Routes>,
     missing: Vec<BlockKey>,
@@ -367,7 +430,7 @@ impl ChunkedJob for PromoteJob {
         if let Err(e) = self.core.outcome() {
             // Cancelled or failed: dropping the writers frees their pages unpublished.
             drop(promote);
-            let _ = request.events.send(LoadEvent::Done(Err(e)));
+            request.events.send(LoadEvent::Done(Err(e)));
             return;
         }
         let mut failed = Vec::new();
@@ -394,7 +457,7 @@ impl ChunkedJob for PromoteJob {
         );
         if !failed.is_empty() {
             failed.reverse();
-            let _ = request.events.send(LoadEvent::Missing { keys: failed.clone() });
+            request.events.send(LoadEvent::Missing { keys: failed.clone() });
             request.missing.extend(failed);
         }
         let workers = request.workers.clone();
@@ -467,7 +530,7 @@ impl LoadJob {
         while (p.next as usize) < p.done.len() && p.done[p.next as usize] {
             if !self.core.cancelled.load(Ordering::Acquire) {
                 // A requester that went away is not an error.
-                let _ = self.request.events.send(LoadEvent::LayerReady { layer: p.next });
+                self.request.events.send(LoadEvent::LayerReady { layer: p.next });
             }
             p.next += 1;
         }
@@ -521,6 +584,6 @@ impl ChunkedJob for LoadJob {
             timing,
             disk_timing: self.disk.map(|d| d.1),
         });
-        let _ = self.request.events.send(LoadEvent::Done(result));
+        self.request.events.send(LoadEvent::Done(result));
     }
 }

@@ -12,6 +12,7 @@ use kvtier_store::{
 };
 
 use crate::disk_io_gate::DiskIoGate;
+use crate::event_sink::EventSink;
 use crate::queue_core::{QueueCore, QueueCounters, QueueStats, Route, Routes};
 use crate::transfer_job::{CancelOnDrop, ChunkPlan, Continuation, JobCore, lock, validate_request};
 use crate::transfer_timing::TransferTiming;
@@ -63,9 +64,13 @@ pub struct PersistReport {
     pub disk_timing: Option<TransferTiming>,
 }
 
+/// Progress of a store, in order: exactly one `Copied`, then exactly one `Persisted`.
 #[derive(Debug)]
-enum StoreEvent {
+pub enum StoreEvent {
+    /// The device → host copy finished (or failed): the device slots may be reused.
     Copied(Result<StoreReport, TransferError>),
+    /// The disk writes the write policy asked for finished (an empty report when there were
+    /// none, or when the copy failed).
     Persisted(Result<PersistReport, TransferError>),
 }
 
@@ -75,7 +80,19 @@ enum StoreEvent {
 #[derive(Debug)]
 pub struct StoreTicket {
     rx: mpsc::Receiver<StoreEvent>,
-    cancel: CancelOnDrop,
+    cancel: StoreHandle,
+}
+
+/// The requester's handle on a store submitted with [`StoreQueue::submit_to`]: dropping it
+/// before [`StoreEvent::Copied`] cancels the store, as dropping a [`StoreTicket`] does.
+#[derive(Debug)]
+pub struct StoreHandle(CancelOnDrop);
+
+impl StoreHandle {
+    /// The copy finished: dropping the handle no longer cancels anything.
+    pub fn disarm(&mut self) {
+        self.0.disarm();
+    }
 }
 
 impl StoreTicket {
@@ -160,6 +177,24 @@ impl StoreQueue {
         ns: NamespaceFingerprint,
         blocks: &[StoreBlock],
     ) -> Result<StoreTicket, TransferError> {
+        let (tx, rx) = mpsc::channel();
+        let cancel = self.submit_to(pool, store, ns, blocks, EventSink::channel(tx))?;
+        Ok(StoreTicket { rx, cancel })
+    }
+
+    /// Like [`StoreQueue::submit`], but the events go to `events` (on a store worker thread)
+    /// instead of a ticket to block on. Never blocks.
+    ///
+    /// # Errors
+    /// As [`StoreQueue::submit`]; no event is sent when an error is returned.
+    pub fn submit_to(
+        &self,
+        pool: &Arc<dyn DevicePool>,
+        store: &TieredStore,
+        ns: NamespaceFingerprint,
+        blocks: &[StoreBlock],
+        events: EventSink<StoreEvent>,
+    ) -> Result<StoreHandle, TransferError> {
         let geometry = *store.geometry();
         validate_request("store", pool.as_ref(), &geometry, blocks.iter().map(|b| b.slot))?;
         let submitted = Instant::now();
@@ -185,7 +220,6 @@ impl StoreQueue {
             .fetch_add(no_space.len() as u64, Ordering::Relaxed);
         c.already_stored_blocks
             .fetch_add(already_stored as u64, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let plan = ChunkPlan::new(
             copies.len(),
@@ -206,14 +240,11 @@ impl StoreQueue {
             writers: Mutex::new(writers),
             already_stored,
             no_space,
-            events: tx,
+            events,
             shared: self.shared(),
             io_workers: self.core.io_handle(),
         }));
-        Ok(StoreTicket {
-            rx,
-            cancel: CancelOnDrop::new(cancel),
-        })
+        Ok(StoreHandle(CancelOnDrop::new(cancel)))
     }
 
     /// Writes blocks already in the host tier to `disk` in the background (blocks the
@@ -301,7 +332,7 @@ struct StoreJob {
     writers: Mutex<Vec<PageWriter>>,
     already_stored: usize,
     no_space: Vec<BlockKey>,
-    events: mpsc::Sender<StoreEvent>,
+    events: EventSink<StoreEvent>,
     shared: PersistShared,
     io_workers: WorkerHandle,
 }
@@ -363,9 +394,8 @@ impl ChunkedJob for StoreJob {
         if report.is_err() {
             drop(writers);
             self.core.release_inflight();
-            let _ = self.events.send(StoreEvent::Copied(report));
-            let _ = self
-                .events
+            self.events.send(StoreEvent::Copied(report));
+            self.events
                 .send(StoreEvent::Persisted(Ok(PersistReport::default())));
             return;
         }
@@ -385,7 +415,7 @@ impl ChunkedJob for StoreJob {
                 None
             }
         };
-        let _ = self.events.send(StoreEvent::Copied(report));
+        self.events.send(StoreEvent::Copied(report));
         match persist {
             Some((disk, pins)) if !pins.is_empty() => {
                 self.io_workers.launch(Arc::new(PersistJob::new(
@@ -404,8 +434,7 @@ impl ChunkedJob for StoreJob {
             }
             _ => {
                 self.core.release_inflight();
-                let _ = self
-                    .events
+                self.events
                     .send(StoreEvent::Persisted(Ok(PersistReport::default())));
             }
         }
@@ -426,7 +455,7 @@ struct PersistJob {
     written: AtomicU64,
     already: AtomicU64,
     failed: Mutex<Vec<(BlockKey, String)>>,
-    events: Option<mpsc::Sender<StoreEvent>>,
+    events: Option<EventSink<StoreEvent>>,
     shared: PersistShared,
     /// Writes wait for pending disk reads until then at the latest.
     defer_until: Instant,
@@ -439,7 +468,7 @@ impl PersistJob {
         ns: NamespaceFingerprint,
         pins: Vec<PinnedPage>,
         parts: Continuation,
-        events: Option<mpsc::Sender<StoreEvent>>,
+        events: Option<EventSink<StoreEvent>>,
         shared: PersistShared,
     ) -> Self {
         let blocks: Vec<(BlockKey, usize)> = pins
@@ -523,7 +552,7 @@ impl ChunkedJob for PersistJob {
                 timing: Some(self.core.timing.snapshot()),
                 disk_timing: Some(self.core.own_timing()),
             });
-            let _ = events.send(StoreEvent::Persisted(report));
+            events.send(StoreEvent::Persisted(report));
         }
     }
 }

@@ -379,3 +379,76 @@ fn concurrent_loads_and_stores_from_many_threads_verify() {
     assert_eq!(verified, clients * per * 9);
     assert_eq!(r.host.stats().pinned_pages, 0);
 }
+
+#[test]
+fn events_go_to_a_callback_and_a_non_blocking_load_refuses_instead_of_waiting() {
+    use kvtier_store::Reservation;
+    use kvtier_transfer::{EventSink, InflightBlocks, StoreEvent};
+
+    let g = KvGeometry::new(2, 2, 16, Dtype::Bf16, 8).unwrap();
+    let r = rig(g, 16, 16, TransferConfig::default());
+    let ks = keys(4, 7, 8);
+    r.write_slots(&ks[..3], 0);
+    // A store whose events go to a callback: Copied, then Persisted.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut handle = r
+        .queues
+        .store
+        .submit_to(
+            &r.dyn_pool,
+            &r.store,
+            NS,
+            &chain_blocks(&ks[..3], 0),
+            EventSink::new(move |e| tx.send(e).unwrap()),
+        )
+        .unwrap();
+    match rx.recv().unwrap() {
+        StoreEvent::Copied(report) => assert_eq!(report.unwrap().stored_blocks, 3),
+        other => panic!("{other:?} before Copied"),
+    }
+    handle.disarm();
+    assert!(matches!(rx.recv().unwrap(), StoreEvent::Persisted(Ok(_))));
+
+    // Block 3 is being written by someone else right now.
+    let Reservation::Writer(writer) = r.host.reserve(NS, ks[3], Some(ks[2])).unwrap() else {
+        panic!("block 3 was free")
+    };
+    let sink = |tx: std::sync::mpsc::Sender<LoadEvent>| EventSink::new(move |e| tx.send(e).unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let refused = r.queues.load.submit_to(
+        &r.dyn_pool,
+        &r.store,
+        NS,
+        &Rig::load_blocks(&ks, 8),
+        sink(tx),
+        InflightBlocks::Refuse,
+    );
+    assert!(matches!(refused, Err(TransferError::WouldBlock)), "{refused:?}");
+    assert!(rx.try_recv().is_err(), "a refused load sends no event");
+    assert_eq!(r.host.stats().pinned_pages, 0, "a refused load pins nothing");
+
+    // Without the writer, the same non-blocking load runs; its events reach the callback.
+    drop(writer);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let handle = r
+        .queues
+        .load
+        .submit_to(
+            &r.dyn_pool,
+            &r.store,
+            NS,
+            &Rig::load_blocks(&ks, 8),
+            sink(tx),
+            InflightBlocks::Refuse,
+        )
+        .unwrap();
+    assert_eq!(handle.missing(), &ks[3..]);
+    let events: Vec<LoadEvent> = rx.iter().take(3).collect();
+    assert!(matches!(events[0], LoadEvent::LayerReady { layer: 0 }));
+    assert!(matches!(events[1], LoadEvent::LayerReady { layer: 1 }));
+    match &events[2] {
+        LoadEvent::Done(Ok(report)) => assert_eq!((report.loaded_blocks, report.missing.len()), (3, 1)),
+        other => panic!("{other:?}"),
+    }
+    r.assert_slots(&ks[..3], 8);
+}
