@@ -116,19 +116,24 @@ pub struct LoadOutcome {
     pub done: LoadDone,
 }
 
-/// A connection and a session with the kvtier sidecar.
-#[derive(Debug)]
+/// A connection and a session with the kvtier sidecar. Clones share the connection and the
+/// session (for concurrent calls); the session ends when the last clone is dropped.
+#[derive(Debug, Clone)]
 pub struct Client {
     rpc: Stub,
     session_id: u64,
     geometry: KvGeometry,
-    session_task: tokio::task::JoinHandle<()>,
+    _session: std::sync::Arc<SessionTask>,
 }
 
-impl Drop for Client {
+/// The task that keeps the session stream open.
+#[derive(Debug)]
+struct SessionTask(tokio::task::JoinHandle<()>);
+
+impl Drop for SessionTask {
     fn drop(&mut self) {
         // Ends the session stream: the sidecar releases this session's pins and pools.
-        self.session_task.abort();
+        self.0.abort();
     }
 }
 
@@ -260,7 +265,7 @@ impl Client {
             rpc,
             session_id: opened.session_id,
             geometry,
-            session_task,
+            _session: std::sync::Arc::new(SessionTask(session_task)),
         })
     }
 

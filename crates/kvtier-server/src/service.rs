@@ -478,6 +478,7 @@ impl KvTier for KvTierService {
             let deadline = deadline.map(|d| (Box::pin(tokio::time::sleep_until(d.into())), r.deadline_ms));
             Ok(Box::pin(LoadEvents {
                 rx,
+                announce: handle.missing().to_vec(),
                 handle,
                 deadline,
                 done: false,
@@ -668,6 +669,8 @@ impl KvTier for KvTierService {
 /// away, or the deadline passed) cancels the load.
 struct LoadEvents {
     rx: mpsc::UnboundedReceiver<LoadEvent>,
+    /// Blocks in no tier at submission, announced first so the engine can start recomputing.
+    announce: Vec<BlockKey>,
     handle: LoadHandle,
     /// When to give up, and the deadline as the client gave it.
     deadline: Option<(Pin<Box<tokio::time::Sleep>>, u64)>,
@@ -681,6 +684,12 @@ impl Stream for LoadEvents {
         let this = &mut *self;
         if this.done {
             return Poll::Ready(None);
+        }
+        if !this.announce.is_empty() {
+            let keys = pack_keys(&std::mem::take(&mut this.announce));
+            return Poll::Ready(Some(Ok(proto::LoadEvent {
+                event: Some(proto::load_event::Event::Missing(proto::BlocksMissing { keys })),
+            })));
         }
         // An event already delivered wins over a deadline that passed meanwhile.
         let ev = match this.rx.poll_recv(cx) {

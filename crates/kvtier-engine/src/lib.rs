@@ -1,0 +1,31 @@
+//! kvtier-engine: the reference colocated prefill/decode engine kvtier is measured with.
+//!
+//! A Qwen3-family transformer on candle (CPU; the device is chosen in one place,
+//! [`model::compute_device`]) whose KV lives in a paged device pool — the same shared-memory
+//! [`kvtier_transfer::CpuDevicePool`] the sidecar copies blocks into and out of.
+//!
+//! - [`ModelConfig`]: presets (`qwen3-30b-a3b`, `qwen3-0.6b`, `tiny`, `tiny-moe`) or a Hugging
+//!   Face `config.json`; [`Weights`]: seeded random or safetensors.
+//! - [`Model::forward`]: a batch of prefill chunks and decode tokens over paged KV.
+#![warn(missing_docs)]
+
+pub mod engine;
+mod error;
+pub mod kv_pages;
+pub mod metrics;
+pub mod model;
+mod model_config;
+pub mod sampling;
+pub mod sidecar_link;
+pub mod slot_cache;
+mod weights;
+
+pub use engine::{
+    CachedTokens, Engine, EngineConfig, EngineStats, FinishReason, GenRequest, KvReuse, SeqEvent, Usage,
+};
+pub use error::EngineError;
+pub use kv_pages::KvPages;
+pub use model::{Model, SeqChunk};
+pub use model_config::{Mlp, ModelConfig, PRESETS};
+pub use sampling::Sampling;
+pub use weights::{FfnWeights, LayerWeights, MlpWeights, Weights};

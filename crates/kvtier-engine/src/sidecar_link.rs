@@ -1,0 +1,423 @@
+//! The engine's connection to the kvtier sidecar: Match, Load (streamed layer by layer into
+//! the scheduler), Store and DeviceEvents, with reconnection. Every call is made from the
+//! engine thread without waiting on the network except `Match`; loads and stores run as tasks
+//! on a small runtime of the link's own and report back through shared state and channels.
+//!
+//! When the sidecar is down the engine serves by recompute: a failed call drops the
+//! connection, and the next admission after `retry_ms` tries to connect again.
+
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use kvtier_client::{Client, PoolHandle};
+use kvtier_core::BlockKey;
+use kvtier_transfer::CpuDevicePool;
+
+use crate::EngineError;
+
+/// Where a matched block is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TierHit {
+    /// In kvtier's host memory.
+    Host,
+    /// On kvtier's disk.
+    Disk,
+}
+
+/// A load's progress, shared between the task reading its event stream and the forward pass
+/// waiting for layers.
+#[derive(Debug, Default)]
+pub struct LoadProgress {
+    state: Mutex<LoadState>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct LoadState {
+    layers_ready: u32,
+    missing: Vec<BlockKey>,
+    /// `Some` once the load ended: `Ok(true)` complete, `Ok(false)` complete with missing
+    /// blocks, `Err` failed (stream error, deadline, sidecar gone).
+    ended: Option<Result<bool, String>>,
+    /// Slots given up by the sequence while the load could still write them: released to the
+    /// engine when the load ends.
+    orphans: Vec<u32>,
+}
+
+/// How a load ended, as far as the sequence is concerned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoadEnd {
+    /// Every block is in its slot.
+    Complete,
+    /// The load finished but these blocks are not in their slots.
+    Missing(Vec<BlockKey>),
+    /// The load failed or did not finish in time; which slots were written is unknown.
+    Failed(String),
+}
+
+impl LoadProgress {
+    fn update(&self, f: impl FnOnce(&mut LoadState)) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut s);
+        self.changed.notify_all();
+    }
+
+    /// Waits until layer `layer` is loaded (`true`), or the load has failed or reported a
+    /// missing block (`false`), or `deadline` passed (`false`).
+    pub fn wait_layer(&self, layer: u32, deadline: Instant) -> bool {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if !s.missing.is_empty() || matches!(s.ended, Some(Err(_)) | Some(Ok(false))) {
+                return false;
+            }
+            if s.layers_ready > layer || matches!(s.ended, Some(Ok(true))) {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            s = self
+                .changed
+                .wait_timeout(s, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Waits for the load to end, until `deadline`.
+    pub fn wait_end(&self, deadline: Instant) -> LoadEnd {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            match &s.ended {
+                Some(Ok(_)) if s.missing.is_empty() => return LoadEnd::Complete,
+                Some(Ok(_)) => return LoadEnd::Missing(s.missing.clone()),
+                Some(Err(e)) => return LoadEnd::Failed(e.clone()),
+                None => {}
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return LoadEnd::Failed("the load did not finish in time".into());
+            }
+            s = self
+                .changed
+                .wait_timeout(s, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Hands `slots` over to the load: if it has ended they come back at once (returned),
+    /// otherwise they are released through the link when it ends.
+    pub fn orphan(&self, slots: Vec<u32>) -> Vec<u32> {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if s.ended.is_some() {
+            slots
+        } else {
+            s.orphans.extend(slots);
+            Vec::new()
+        }
+    }
+}
+
+/// A store whose reply came: its slots may be reused.
+#[derive(Debug)]
+pub struct Released {
+    /// The slots.
+    pub slots: Vec<u32>,
+}
+
+/// Connection settings.
+#[derive(Debug, Clone)]
+pub struct SidecarConfig {
+    /// `unix:///path`, a socket path, or `http(s)://host:port`.
+    pub target: String,
+    /// Wait between reconnection attempts.
+    pub retry: Duration,
+    /// Deadline the sidecar gets for each load.
+    pub load_deadline: Duration,
+}
+
+#[derive(Debug)]
+struct Conn {
+    client: Client,
+    pool: PoolHandle,
+    events: tokio::sync::mpsc::UnboundedSender<Vec<(BlockKey, Option<u32>)>>,
+}
+
+/// The link. Owned by the engine thread.
+#[derive(Debug)]
+pub struct SidecarLink {
+    rt: tokio::runtime::Runtime,
+    config: SidecarConfig,
+    model_id: String,
+    pool: Arc<CpuDevicePool>,
+    conn: Option<Conn>,
+    retry_at: Instant,
+    released_tx: mpsc::Sender<Released>,
+    released_rx: mpsc::Receiver<Released>,
+    /// Set by background tasks when a call failed: the connection is dropped at the next
+    /// engine step.
+    broken: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl SidecarLink {
+    /// A link for the engine's `pool` (which must have a file path) under `model_id`; does not
+    /// connect yet.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] if the runtime cannot start or the pool has no path.
+    pub fn new(
+        config: SidecarConfig,
+        model_id: String,
+        pool: Arc<CpuDevicePool>,
+    ) -> Result<Self, EngineError> {
+        if pool.path().is_none() {
+            return Err(EngineError::Config(
+                "the device pool must live in a shared-memory file for the sidecar to map it".into(),
+            ));
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kvtier-link")
+            .enable_all()
+            .build()
+            .map_err(|e| EngineError::Config(format!("cannot start the sidecar link runtime: {e}")))?;
+        let (released_tx, released_rx) = mpsc::channel();
+        Ok(Self {
+            rt,
+            config,
+            model_id,
+            pool,
+            conn: None,
+            retry_at: Instant::now(),
+            released_tx,
+            released_rx,
+            broken: Arc::default(),
+        })
+    }
+
+    /// The sidecar's address.
+    pub fn target(&self) -> &str {
+        &self.config.target
+    }
+
+    /// Whether a session is open now.
+    pub fn is_connected(&self) -> bool {
+        self.conn.is_some()
+    }
+
+    /// Connects (and registers the pool) if not connected and a retry is due. Returns `Some`
+    /// with `true` when this call made a new connection (the engine then re-announces its
+    /// device-resident blocks), `Some(false)` when already connected, `None` when down.
+    pub fn ensure_connected(&mut self) -> Option<bool> {
+        if self.broken.swap(false, std::sync::atomic::Ordering::AcqRel) {
+            self.drop_conn("a background call failed");
+        }
+        if self.conn.is_some() {
+            return Some(false);
+        }
+        if Instant::now() < self.retry_at {
+            return None;
+        }
+        let target = self.config.target.clone();
+        let model = self.model_id.clone();
+        let pool = Arc::clone(&self.pool);
+        let geometry = *kvtier_transfer::DevicePool::geometry(pool.as_ref());
+        let attempt = self.rt.block_on(async move {
+            let connect = async {
+                let mut client = Client::connect(&target, "kvtier-engine").await.map_err(|e| e.to_string())?;
+                if client.geometry() != geometry {
+                    return Err(format!(
+                        "the sidecar serves KV geometry {}, the engine's is {geometry}: start `kvtier serve` with the engine's model shape",
+                        client.geometry()
+                    ));
+                }
+                let handle = client.register_cpu_pool(&pool, &model, 0, 1).await.map_err(|e| e.to_string())?;
+                Ok((client, handle))
+            };
+            tokio::time::timeout(Duration::from_secs(5), connect)
+                .await
+                .unwrap_or_else(|_| Err("connection timed out".into()))
+        });
+        match attempt {
+            Ok((client, pool)) => {
+                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<(BlockKey, Option<u32>)>>();
+                let (c, p, broken) = (client.clone(), pool.clone(), Arc::clone(&self.broken));
+                // One task sends residency changes in order.
+                self.rt.spawn(async move {
+                    let mut c = c;
+                    while let Some(batch) = rx.recv().await {
+                        for part in batch.chunks(4096) {
+                            if let Err(e) = c.device_events(&p, part).await {
+                                tracing::warn!(error = %e, "kvtier device events failed");
+                                broken.store(true, std::sync::atomic::Ordering::Release);
+                                return;
+                            }
+                        }
+                    }
+                });
+                tracing::info!(target = %self.config.target, pool = pool.id, "connected to the kvtier sidecar");
+                self.conn = Some(Conn {
+                    client,
+                    pool,
+                    events: tx,
+                });
+                Some(true)
+            }
+            Err(e) => {
+                tracing::warn!(target = %self.config.target, error = %e, "kvtier sidecar unavailable; serving by recompute");
+                self.retry_at = Instant::now() + self.config.retry;
+                None
+            }
+        }
+    }
+
+    fn drop_conn(&mut self, why: &str) {
+        if self.conn.take().is_some() {
+            tracing::warn!(target = %self.config.target, reason = why, "lost the kvtier sidecar; serving by recompute");
+        }
+        self.retry_at = Instant::now() + self.config.retry;
+    }
+
+    /// The leading blocks of `keys` kvtier holds in host memory or on disk (empty when down).
+    pub fn match_prefix(&mut self, salt: &str, keys: &[BlockKey]) -> Vec<TierHit> {
+        let Some(conn) = &self.conn else {
+            return Vec::new();
+        };
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        let (mut c, p) = (conn.client.clone(), conn.pool.clone());
+        let r = self
+            .rt
+            .block_on(async move { c.match_keys(&p, salt, keys).await });
+        match r {
+            Ok(m) => m
+                .tiers
+                .iter()
+                .map_while(|t| match kvtier_server::proto::Tier::try_from(*t) {
+                    Ok(kvtier_server::proto::Tier::Host) => Some(TierHit::Host),
+                    Ok(kvtier_server::proto::Tier::Disk) => Some(TierHit::Disk),
+                    _ => None,
+                })
+                .collect(),
+            Err(e) => {
+                self.drop_conn(&e.to_string());
+                Vec::new()
+            }
+        }
+    }
+
+    /// Starts loading `blocks` into their slots; progress is reported into the returned
+    /// handle. `None` when the sidecar is down.
+    pub fn start_load(&mut self, salt: &str, blocks: Vec<(BlockKey, u32)>) -> Option<Arc<LoadProgress>> {
+        let conn = self.conn.as_ref()?;
+        let progress = Arc::new(LoadProgress::default());
+        let (mut c, p, salt) = (conn.client.clone(), conn.pool.clone(), salt.to_owned());
+        let (prog, released, broken) = (
+            Arc::clone(&progress),
+            self.released_tx.clone(),
+            Arc::clone(&self.broken),
+        );
+        let deadline = self.config.load_deadline;
+        self.rt.spawn(async move {
+            use kvtier_server::proto::load_event::Event;
+            let run = async {
+                let mut stream = c
+                    .load(&p, &salt, &blocks, Some(deadline))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                while let Some(ev) = stream.message().await.map_err(|e| e.to_string())? {
+                    match ev.event {
+                        Some(Event::LayerReady(l)) => {
+                            prog.update(|s| s.layers_ready = s.layers_ready.max(l.layer + 1))
+                        }
+                        Some(Event::Missing(m)) => {
+                            let keys = kvtier_server::wire::unpack_keys("missing", &m.keys)
+                                .map_err(|e| e.to_string())?;
+                            prog.update(|s| s.missing.extend(keys));
+                        }
+                        Some(Event::Done(d)) => {
+                            let keys = kvtier_client::missing_keys(&d).map_err(|e| e.to_string())?;
+                            return Ok(keys);
+                        }
+                        None => {}
+                    }
+                }
+                Err("the load stream ended without a final report".to_owned())
+            };
+            let result = run.await;
+            if let Err(e) = &result
+                && !e.contains("DeadlineExceeded")
+                && !e.contains("deadline")
+            {
+                broken.store(true, std::sync::atomic::Ordering::Release);
+            }
+            let mut orphans = Vec::new();
+            prog.update(|s| {
+                match result {
+                    Ok(missing) => {
+                        for k in missing {
+                            if !s.missing.contains(&k) {
+                                s.missing.push(k);
+                            }
+                        }
+                        s.ended = Some(Ok(s.missing.is_empty()));
+                    }
+                    Err(e) => s.ended = Some(Err(e)),
+                }
+                orphans = std::mem::take(&mut s.orphans);
+            });
+            if !orphans.is_empty() {
+                let _ = released.send(Released { slots: orphans });
+            }
+        });
+        Some(progress)
+    }
+
+    /// Stores a run of one sequence's blocks (`parent` precedes the first); the slots come
+    /// back through [`SidecarLink::take_released`] when the sidecar has copied them (or the
+    /// call failed). Returns `false` (nothing sent, the caller keeps the slots) when down.
+    pub fn store(&mut self, salt: &str, parent: Option<BlockKey>, blocks: Vec<(BlockKey, u32)>) -> bool {
+        let Some(conn) = &self.conn else {
+            return false;
+        };
+        let (mut c, p, salt) = (conn.client.clone(), conn.pool.clone(), salt.to_owned());
+        let (released, broken) = (self.released_tx.clone(), Arc::clone(&self.broken));
+        self.rt.spawn(async move {
+            match c.store(&p, &salt, parent, &blocks).await {
+                Ok(_) => {}
+                // A full queue or no host space drops the store (counted by the sidecar): the
+                // blocks stay on the device only.
+                Err(kvtier_client::ClientError::Status(s)) if s.code() == tonic::Code::ResourceExhausted => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "kvtier store failed");
+                    broken.store(true, std::sync::atomic::Ordering::Release);
+                }
+            }
+            let _ = released.send(Released {
+                slots: blocks.iter().map(|b| b.1).collect(),
+            });
+        });
+        true
+    }
+
+    /// Reports residency changes (in order, in the background).
+    pub fn device_events(&mut self, events: Vec<(BlockKey, Option<u32>)>) {
+        if events.is_empty() {
+            return;
+        }
+        if let Some(conn) = &self.conn
+            && conn.events.send(events).is_err()
+        {
+            self.drop_conn("the device events task stopped");
+        }
+    }
+
+    /// Slots whose stores or abandoned loads have finished.
+    pub fn take_released(&mut self) -> Vec<u32> {
+        self.released_rx.try_iter().flat_map(|r| r.slots).collect()
+    }
+}

@@ -1,0 +1,335 @@
+//! Model weights: deterministic seeded random (nothing to download), or a Hugging Face model
+//! directory's safetensors. Kept in f32 (the CPU computes in f32); projections that read the
+//! same input are fused (q|k|v, gate|up) so each is one matrix multiply.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::EngineError;
+use crate::model_config::{Mlp, ModelConfig};
+
+/// One expert (or the dense FFN): `gate_up` is `[2 * intermediate, hidden]` (gate rows first),
+/// `down` is `[hidden, intermediate]`.
+#[derive(Debug, Clone)]
+pub struct FfnWeights {
+    /// Fused gate and up projections.
+    pub gate_up: Tensor,
+    /// Down projection.
+    pub down: Tensor,
+}
+
+/// A layer's feed-forward weights.
+#[derive(Debug, Clone)]
+pub enum MlpWeights {
+    /// One SwiGLU.
+    Dense(FfnWeights),
+    /// A router `[experts, hidden]` and the experts.
+    Moe {
+        /// Router logits projection.
+        router: Tensor,
+        /// The experts.
+        experts: Vec<FfnWeights>,
+    },
+}
+
+/// One decoder layer. Matrices are `[out, in]` as in Hugging Face checkpoints.
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    /// RMSNorm before attention, `[hidden]`.
+    pub input_norm: Tensor,
+    /// Fused q|k|v projection, `[(q_heads + 2 kv_heads) * head_dim, hidden]`.
+    pub qkv: Tensor,
+    /// Output projection, `[hidden, q_heads * head_dim]`.
+    pub o_proj: Tensor,
+    /// RMSNorm of each query head, `[head_dim]`.
+    pub q_norm: Tensor,
+    /// RMSNorm of each key head, `[head_dim]`.
+    pub k_norm: Tensor,
+    /// RMSNorm before the feed-forward block, `[hidden]`.
+    pub post_norm: Tensor,
+    /// The feed-forward block.
+    pub mlp: MlpWeights,
+}
+
+/// All weights of a model.
+#[derive(Debug, Clone)]
+pub struct Weights {
+    /// Token embeddings, `[vocab, hidden]`.
+    pub embed: Tensor,
+    /// The decoder layers.
+    pub layers: Vec<LayerWeights>,
+    /// Final RMSNorm, `[hidden]`.
+    pub norm: Tensor,
+    /// Output projection, `[vocab, hidden]` (the embedding itself when tied).
+    pub lm_head: Tensor,
+}
+
+/// Standard deviation-ish scale of random weights (uniform in ±`RANDOM_SCALE`·√3).
+const RANDOM_SCALE: f32 = 0.02;
+
+/// Random numbers per generation chunk: fixed, so the weights do not depend on thread count.
+const RANDOM_CHUNK: usize = 1 << 20;
+
+impl Weights {
+    /// Deterministic random weights for `config` from `seed`: the same seed gives the same
+    /// bits on every machine. Norm weights are 1.
+    ///
+    /// Cost: generates every parameter (4 bytes each) on all CPUs; ~1.2 G parameters for
+    /// `qwen3-30b-a3b --layers 1` take a few seconds and 4.9 GB.
+    ///
+    /// # Errors
+    /// [`EngineError::Tensor`] if memory cannot be allocated.
+    pub fn random(config: &ModelConfig, seed: u64) -> Result<Self, EngineError> {
+        let mut next_id = 0u64;
+        let mut rand = |shape: &[usize]| -> Result<Tensor, EngineError> {
+            next_id += 1;
+            random_tensor(shape, seed, next_id)
+        };
+        let h = config.hidden;
+        let ones = |n: usize| Tensor::ones(n, DType::F32, &Device::Cpu);
+        let embed = rand(&[config.vocab, h])?;
+        let qkv_rows = (config.q_heads + 2 * config.kv_heads) * config.head_dim;
+        let mut layers = Vec::with_capacity(config.layers);
+        for _ in 0..config.layers {
+            let mlp = match config.mlp {
+                Mlp::Dense { intermediate } => MlpWeights::Dense(FfnWeights {
+                    gate_up: rand(&[2 * intermediate, h])?,
+                    down: rand(&[h, intermediate])?,
+                }),
+                Mlp::Moe {
+                    experts,
+                    intermediate,
+                    ..
+                } => MlpWeights::Moe {
+                    router: rand(&[experts, h])?,
+                    experts: (0..experts)
+                        .map(|_| {
+                            Ok(FfnWeights {
+                                gate_up: rand(&[2 * intermediate, h])?,
+                                down: rand(&[h, intermediate])?,
+                            })
+                        })
+                        .collect::<Result<_, EngineError>>()?,
+                },
+            };
+            layers.push(LayerWeights {
+                input_norm: ones(h)?,
+                qkv: rand(&[qkv_rows, h])?,
+                o_proj: rand(&[h, config.q_heads * config.head_dim])?,
+                q_norm: ones(config.head_dim)?,
+                k_norm: ones(config.head_dim)?,
+                post_norm: ones(h)?,
+                mlp,
+            });
+        }
+        let lm_head = if config.tie_embeddings {
+            embed.clone()
+        } else {
+            rand(&[config.vocab, h])?
+        };
+        Ok(Self {
+            embed,
+            layers,
+            norm: ones(h)?,
+            lm_head,
+        })
+    }
+
+    /// Loads the first `config.layers` layers from the `*.safetensors` files of a Hugging Face
+    /// model directory (Qwen3 / Qwen3-MoE tensor names), converting to f32.
+    ///
+    /// Cost: maps the files, reads and converts only the tensors used.
+    ///
+    /// # Errors
+    /// [`EngineError::Io`] if the directory cannot be listed, [`EngineError::Weights`] naming
+    /// a missing tensor or one whose shape disagrees with `config`.
+    pub fn load(dir: &Path, config: &ModelConfig) -> Result<Self, EngineError> {
+        let files = safetensors_files(dir)?;
+        // SAFETY: the files are mapped read-only; like every safetensors reader we assume
+        // nobody truncates them while the engine loads (a changed file is the operator's error,
+        // and loading copies every tensor out of the mapping before returning).
+        let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
+            .map_err(|e| EngineError::Weights(format!("{}: {e}", dir.display())))?;
+        let get = |name: &str, shape: &[usize]| -> Result<Tensor, EngineError> {
+            let t = st.load(name, &Device::Cpu).map_err(|_| {
+                EngineError::Weights(format!("tensor {name:?} not found in {}", dir.display()))
+            })?;
+            if t.dims() != shape {
+                return Err(EngineError::Weights(format!(
+                    "tensor {name:?} has shape {:?}, the config says {shape:?}",
+                    t.dims()
+                )));
+            }
+            Ok(t.to_dtype(DType::F32)?)
+        };
+        let h = config.hidden;
+        let (qd, kvd) = (
+            config.q_heads * config.head_dim,
+            config.kv_heads * config.head_dim,
+        );
+        let embed = get("model.embed_tokens.weight", &[config.vocab, h])?;
+        let ffn = |prefix: &str, inter: usize| -> Result<FfnWeights, EngineError> {
+            Ok(FfnWeights {
+                gate_up: Tensor::cat(
+                    &[
+                        get(&format!("{prefix}.gate_proj.weight"), &[inter, h])?,
+                        get(&format!("{prefix}.up_proj.weight"), &[inter, h])?,
+                    ],
+                    0,
+                )?,
+                down: get(&format!("{prefix}.down_proj.weight"), &[h, inter])?,
+            })
+        };
+        let mut layers = Vec::with_capacity(config.layers);
+        for l in 0..config.layers {
+            let p = format!("model.layers.{l}");
+            let mlp = match config.mlp {
+                Mlp::Dense { intermediate } => MlpWeights::Dense(ffn(&format!("{p}.mlp"), intermediate)?),
+                Mlp::Moe {
+                    experts,
+                    intermediate,
+                    ..
+                } => MlpWeights::Moe {
+                    router: get(&format!("{p}.mlp.gate.weight"), &[experts, h])?,
+                    experts: (0..experts)
+                        .map(|e| ffn(&format!("{p}.mlp.experts.{e}"), intermediate))
+                        .collect::<Result<_, _>>()?,
+                },
+            };
+            layers.push(LayerWeights {
+                input_norm: get(&format!("{p}.input_layernorm.weight"), &[h])?,
+                qkv: Tensor::cat(
+                    &[
+                        get(&format!("{p}.self_attn.q_proj.weight"), &[qd, h])?,
+                        get(&format!("{p}.self_attn.k_proj.weight"), &[kvd, h])?,
+                        get(&format!("{p}.self_attn.v_proj.weight"), &[kvd, h])?,
+                    ],
+                    0,
+                )?,
+                o_proj: get(&format!("{p}.self_attn.o_proj.weight"), &[h, qd])?,
+                q_norm: get(&format!("{p}.self_attn.q_norm.weight"), &[config.head_dim])?,
+                k_norm: get(&format!("{p}.self_attn.k_norm.weight"), &[config.head_dim])?,
+                post_norm: get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                mlp,
+            });
+        }
+        let lm_head = if config.tie_embeddings {
+            embed.clone()
+        } else {
+            get("lm_head.weight", &[config.vocab, h])?
+        };
+        Ok(Self {
+            embed,
+            layers,
+            norm: get("model.norm.weight", &[h])?,
+            lm_head,
+        })
+    }
+}
+
+fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, EngineError> {
+    let io = |e| EngineError::Io {
+        path: dir.to_owned(),
+        source: e,
+    };
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(io)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    if files.is_empty() {
+        return Err(EngineError::Weights(format!(
+            "no *.safetensors file in {}",
+            dir.display()
+        )));
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// SplitMix64: tiny, fast, and good enough to fill weights.
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A tensor of uniform values in ±`RANDOM_SCALE`·√3, from (`seed`, `id`), filled in fixed-size
+/// chunks on all CPUs.
+fn random_tensor(shape: &[usize], seed: u64, id: u64) -> Result<Tensor, EngineError> {
+    let n: usize = shape.iter().product();
+    let mut data = vec![0f32; n];
+    let amp = RANDOM_SCALE * 3f32.sqrt();
+    let fill = |chunk_index: usize, chunk: &mut [f32]| {
+        let mut state = seed
+            ^ id.wrapping_mul(0xA24B_AED4_963E_E407)
+            ^ (chunk_index as u64).wrapping_mul(0x9FB2_1C65_1E98_DF25);
+        for pair in chunk.chunks_mut(2) {
+            let r = splitmix(&mut state);
+            for (i, x) in pair.iter_mut().enumerate() {
+                // 24 random bits per value → [-1, 1).
+                let bits = (r >> (32 * i + 8)) & 0xFF_FFFF;
+                *x = amp * (bits as f32 / (1u32 << 23) as f32 - 1.0);
+            }
+        }
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let chunks: Vec<(usize, &mut [f32])> = data.chunks_mut(RANDOM_CHUNK).enumerate().collect();
+    if threads <= 1 || chunks.len() <= 1 {
+        chunks.into_iter().for_each(|(i, c)| fill(i, c));
+    } else {
+        let per = chunks.len().div_ceil(threads);
+        let mut groups: Vec<Vec<(usize, &mut [f32])>> = Vec::new();
+        let mut it = chunks.into_iter().peekable();
+        while it.peek().is_some() {
+            groups.push(it.by_ref().take(per).collect());
+        }
+        std::thread::scope(|s| {
+            for g in groups {
+                s.spawn(|| g.into_iter().for_each(|(i, c)| fill(i, c)));
+            }
+        });
+    }
+    Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_weights_are_deterministic_and_shaped() {
+        let c = ModelConfig::preset("tiny-moe").unwrap();
+        let a = Weights::random(&c, 7).unwrap();
+        let b = Weights::random(&c, 7).unwrap();
+        let d = Weights::random(&c, 8).unwrap();
+        let v = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(v(&a.layers[1].qkv), v(&b.layers[1].qkv));
+        assert_ne!(v(&a.layers[1].qkv), v(&d.layers[1].qkv));
+        assert_eq!(a.layers[0].qkv.dims(), &[(4 + 2 * 2) * 16, 64]);
+        let MlpWeights::Moe { router, experts } = &a.layers[0].mlp else {
+            panic!("tiny-moe is MoE")
+        };
+        assert_eq!((router.dims(), experts.len()), (&[8, 64][..], 8));
+        assert_eq!(experts[3].gate_up.dims(), &[64, 64]);
+        let x = v(&a.embed);
+        let mean = x.iter().sum::<f32>() / x.len() as f32;
+        let max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(
+            mean.abs() < 0.002 && max <= 0.0347 && max > 0.03,
+            "mean {mean} max {max}"
+        );
+    }
+
+    #[test]
+    fn a_directory_without_weights_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = ModelConfig::preset("tiny").unwrap();
+        let e = Weights::load(dir.path(), &c).unwrap_err().to_string();
+        assert!(e.contains("no *.safetensors"), "{e}");
+    }
+}
