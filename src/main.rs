@@ -15,6 +15,8 @@ use kvtier_server::ServerConfig;
 use kvtier_store::{DirectIo, EvictionKind};
 use kvtier_transfer::TransferConfig;
 
+mod engine_cmd;
+
 /// kvtier keeps the KV cache of prompt prefixes an LLM engine has already computed, in device
 /// memory, host memory and on disk, and moves it between tiers with full-duplex load/store
 /// queues, so a prefix hit costs a copy instead of a prefill.
@@ -40,6 +42,9 @@ enum Command {
     /// kvtier.v1.KvTier service on a Unix socket (and optionally TCP), with a Prometheus
     /// exporter. Configuration: defaults < --config FILE < KVTIER_* variables < flags.
     Serve(ServeArgs),
+    /// Run the reference engine (a Qwen3-family model on candle, CPU) behind an OpenAI-style
+    /// HTTP API, reusing prefixes from its device cache and from the kvtier sidecar.
+    Engine(engine_cmd::EngineArgs),
     /// Ask a running sidecar whether it serves (grpc.health.v1); exit 0 if SERVING, 1 if not
     /// (for readiness probes).
     Health(HealthArgs),
@@ -290,6 +295,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Keys(a) => keys(a),
         Command::Serve(a) => serve(a),
         Command::Health(a) => health(a),
+        Command::Engine(a) => engine_cmd::run(a),
     }
 }
 

@@ -11,6 +11,7 @@
 
 pub mod engine;
 mod error;
+pub mod http;
 pub mod kv_pages;
 pub mod metrics;
 pub mod model;
@@ -18,6 +19,7 @@ mod model_config;
 pub mod sampling;
 pub mod sidecar_link;
 pub mod slot_cache;
+pub mod text_codec;
 mod weights;
 
 pub use engine::{
@@ -28,4 +30,5 @@ pub use kv_pages::KvPages;
 pub use model::{Model, SeqChunk};
 pub use model_config::{Mlp, ModelConfig, PRESETS};
 pub use sampling::Sampling;
-pub use weights::{FfnWeights, LayerWeights, MlpWeights, Weights};
+pub use text_codec::TextCodec;
+pub use weights::{FfnWeights, LayerWeights, MlpWeights, Weights, load_model};

@@ -297,6 +297,45 @@ fn random_tensor(shape: &[usize], seed: u64, id: u64) -> Result<Tensor, EngineEr
     Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
 }
 
+/// A model by preset name or Hugging Face directory: its configuration (cut to `layers` if
+/// given) and weights (seeded random for a preset, the directory's safetensors otherwise).
+/// Returns the directory too (for its tokenizer).
+///
+/// # Errors
+/// [`EngineError::Config`] for a name that is neither a preset nor a directory, and the
+/// errors of reading the configuration and the weights.
+pub fn load_model(
+    model: &str,
+    layers: Option<usize>,
+    seed: u64,
+) -> Result<(ModelConfig, Weights, Option<PathBuf>), EngineError> {
+    let dir = Path::new(model);
+    let from_dir = dir.join("config.json").is_file();
+    let mut config = if from_dir {
+        ModelConfig::from_hf_config(&dir.join("config.json"))?
+    } else if crate::PRESETS.contains(&model) {
+        ModelConfig::preset(model)?
+    } else if dir.is_dir() {
+        return Err(EngineError::Config(format!(
+            "{model}: a model directory needs a config.json"
+        )));
+    } else {
+        return Err(EngineError::Config(format!(
+            "unknown model {model:?}: give a preset ({}) or a Hugging Face model directory",
+            crate::PRESETS.join(", ")
+        )));
+    };
+    if let Some(l) = layers {
+        config = config.with_layers(l)?;
+    }
+    let weights = if from_dir {
+        Weights::load(dir, &config)?
+    } else {
+        Weights::random(&config, seed)?
+    };
+    Ok((config, weights, from_dir.then(|| dir.to_owned())))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
