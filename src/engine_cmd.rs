@@ -122,3 +122,84 @@ pub fn run(a: EngineArgs) -> Result<()> {
             .context("the HTTP server failed")
     })
 }
+
+#[derive(Debug, Args)]
+pub struct EngineBenchArgs {
+    /// A preset or a Hugging Face model directory.
+    #[arg(long, default_value = "qwen3-30b-a3b")]
+    pub model: String,
+    /// Keep only the first N layers (default 1, as the seed experiment; 0 keeps all).
+    #[arg(long, default_value_t = 1)]
+    pub layers: usize,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Prompt length of the TTFT scenarios.
+    #[arg(long, default_value_t = 4096)]
+    pub prompt_tokens: usize,
+    /// Cached fraction of the prompt in the host and device scenarios.
+    #[arg(long, default_value_t = 0.9)]
+    pub hit_rate: f64,
+    /// Measured requests per scenario.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Tokens per decode sequence.
+    #[arg(long, default_value_t = 32)]
+    pub decode_tokens: usize,
+    /// Concurrent sequences of the decode measurements.
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    pub decode_batch: Vec<usize>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 64)]
+    pub block_tokens: u32,
+    /// Chunked-prefill budget (tokens per forward pass).
+    #[arg(long, default_value_t = 512)]
+    pub max_batch_tokens: usize,
+    /// The sidecar: `in-process` (default), `spawn`, or a URL.
+    #[arg(long, default_value = "in-process")]
+    pub sidecar: String,
+    /// The sidecar's host tier (when the benchmark starts it).
+    #[arg(long, default_value = "2GiB")]
+    pub host_capacity: kvtier_core::ByteSize,
+    /// Print one JSON object instead of the lines.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn bench(a: EngineBenchArgs) -> Result<()> {
+    let config = kvtier_bench::EngineBenchConfig {
+        model: a.model,
+        layers: (a.layers > 0).then_some(a.layers),
+        seed: a.seed,
+        prompt_tokens: a.prompt_tokens,
+        hit_rate: a.hit_rate,
+        rounds: a.rounds,
+        decode_tokens: a.decode_tokens,
+        decode_batches: a.decode_batch,
+        block_tokens: a.block_tokens,
+        max_batch_tokens: a.max_batch_tokens,
+        sidecar: kvtier_bench::SidecarTarget::parse(&a.sidecar),
+        host_capacity: a.host_capacity,
+    };
+    eprintln!(
+        "kvtier bench engine: model {}{} | prompt {} tokens, hit {:.0}%, {} rounds, decode {} tokens at batch {:?}, sidecar {:?}",
+        config.model,
+        config
+            .layers
+            .map(|l| format!(" --layers {l}"))
+            .unwrap_or_default(),
+        config.prompt_tokens,
+        config.hit_rate * 100.0,
+        config.rounds,
+        config.decode_tokens,
+        config.decode_batches,
+        config.sidecar,
+    );
+    let mut bar = kvtier_bench::ProgressBar::new("requests", 1);
+    let report = kvtier_bench::run_engine_bench(&config, &mut |done, total| {
+        bar.set_total(total as u64);
+        bar.update(done as u64);
+    });
+    bar.finish();
+    crate::print_report(&report.context("bench engine")?, a.json, |r| r.lines())
+}

@@ -95,6 +95,10 @@ enum BenchCommand {
     /// Match latency (p50/p99) and Match calls per second over the sidecar's Unix socket, at
     /// several concurrencies.
     Match(MatchArgs),
+    /// The reference engine: prefill and decode tokens/s, and time to first token of a long
+    /// prompt with a cached prefix, recomputed vs loaded from kvtier's host tier vs still in the
+    /// device pool.
+    Engine(engine_cmd::EngineBenchArgs),
     /// Fill a disk tier, drop it, and time reopening it (the index rebuilt from region index
     /// files, or with --scan also from every header and payload).
     Recovery(RecoveryArgs),
@@ -292,6 +296,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Offload(a)) => bench_offload(a),
         Command::Bench(BenchCommand::Recovery(a)) => bench_recovery(a),
         Command::Bench(BenchCommand::Match(a)) => bench_match(a),
+        Command::Bench(BenchCommand::Engine(a)) => engine_cmd::bench(a),
         Command::Keys(a) => keys(a),
         Command::Serve(a) => serve(a),
         Command::Health(a) => health(a),

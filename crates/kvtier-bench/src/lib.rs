@@ -5,6 +5,7 @@
 #![warn(missing_docs)]
 
 mod baselines;
+mod engine_bench;
 mod error;
 mod offload;
 mod progress;
@@ -13,6 +14,7 @@ mod sidecar;
 mod summary;
 mod workload;
 
+pub use engine_bench::{EngineBenchConfig, EngineBenchReport, TtftFigures, run_engine_bench};
 pub use error::BenchError;
 pub use offload::{BenchTier, DiskFigures, OffloadConfig, OffloadReport, run_offload};
 pub use progress::ProgressBar;

@@ -58,7 +58,7 @@ type InProcessServer = (
 
 /// A sidecar the benchmark started (child process or in-process), stopped on drop.
 #[derive(Default)]
-struct Running {
+pub(crate) struct Running {
     child: Option<Child>,
     in_process: Option<InProcessServer>,
     _dir: Option<tempfile::TempDir>,
@@ -103,14 +103,9 @@ fn server_overrides(geometry: &KvGeometry, host: ByteSize, config: &OffloadConfi
     ]
 }
 
-/// Starts (or names) the sidecar; returns its URL and a guard that stops it.
-fn start(
-    target: &SidecarTarget,
-    geometry: &KvGeometry,
-    host: ByteSize,
-    config: &OffloadConfig,
-) -> Result<(String, Running), BenchError> {
-    let overrides = server_overrides(geometry, host, config);
+/// Starts (or names) the sidecar with `overrides` (`key.path=value`); returns its URL and a
+/// guard that stops it.
+pub(crate) fn start(target: &SidecarTarget, overrides: &[String]) -> Result<(String, Running), BenchError> {
     match target {
         SidecarTarget::Url(url) => Ok((url.clone(), Running::default())),
         SidecarTarget::Spawn(exe) => {
@@ -118,7 +113,7 @@ fn start(
             let socket = dir.path().join("kvtier.sock");
             let mut cmd = Command::new(exe);
             cmd.arg("serve").arg("--socket").arg(&socket);
-            for o in &overrides {
+            for o in overrides {
                 cmd.arg("--set").arg(o);
             }
             let mut child = cmd
@@ -147,7 +142,7 @@ fn start(
         SidecarTarget::InProcess => {
             let dir = tempfile::tempdir().map_err(rpc_err)?;
             let socket = dir.path().join("kvtier.sock");
-            let mut server_config = ServerConfig::load(None, Vec::new(), &overrides).map_err(rpc_err)?;
+            let mut server_config = ServerConfig::load(None, Vec::new(), overrides).map_err(rpc_err)?;
             server_config.server.socket = socket.clone();
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(server_config.server.resolved_rpc_threads())
@@ -190,7 +185,7 @@ fn client_runtime() -> Result<tokio::runtime::Runtime, BenchError> {
 }
 
 /// A pool file another process can open: under /dev/shm when there is one.
-fn pool_path(tag: &str) -> PathBuf {
+pub(crate) fn pool_path(tag: &str) -> PathBuf {
     let shm = Path::new("/dev/shm");
     let dir = if shm.is_dir() {
         shm.to_owned()
@@ -274,7 +269,7 @@ pub fn run_offload_sidecar(
     let path = pool_path("offload");
     let mut work = Workload::new(config, Some(&path))?;
     let host = work.host_capacity()?;
-    let (url, _running) = start(target, &work.geometry, host, config)?;
+    let (url, _running) = start(target, &server_overrides(&work.geometry, host, config))?;
     let rt = client_runtime()?;
     let mut client = rt
         .block_on(Client::connect(&url, "kvtier-bench"))
@@ -551,7 +546,7 @@ pub fn run_match(
     };
     let page = g.bytes_per_block().next_multiple_of(kvtier_store::PAGE_ALIGN) as u64;
     let host = ByteSize((config.blocks as u64 + 64) * page * 2);
-    let (url, _running) = start(&config.target, &g, host, &offload)?;
+    let (url, _running) = start(&config.target, &server_overrides(&g, host, &offload))?;
     let path = pool_path("match");
     let pool = kvtier_transfer::CpuDevicePool::create(Some(&path), g, config.blocks.max(1) as u32)?;
     let rt = client_runtime()?;

@@ -139,11 +139,23 @@ pub struct SidecarConfig {
     pub load_deadline: Duration,
 }
 
+/// What the ordered control task sends: residency changes, and matches, which must see every
+/// change sent before them (a block the engine just dropped must not answer `DEVICE`).
+#[derive(Debug)]
+enum Ordered {
+    Events(Vec<(BlockKey, Option<u32>)>),
+    Match {
+        salt: String,
+        keys: Vec<BlockKey>,
+        reply: tokio::sync::oneshot::Sender<Result<Vec<i32>, String>>,
+    },
+}
+
 #[derive(Debug)]
 struct Conn {
+    ordered: tokio::sync::mpsc::UnboundedSender<Ordered>,
     client: Client,
     pool: PoolHandle,
-    events: tokio::sync::mpsc::UnboundedSender<Vec<(BlockKey, Option<u32>)>>,
 }
 
 /// The link. Owned by the engine thread.
@@ -243,17 +255,29 @@ impl SidecarLink {
         });
         match attempt {
             Ok((client, pool)) => {
-                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<(BlockKey, Option<u32>)>>();
+                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Ordered>();
                 let (c, p, broken) = (client.clone(), pool.clone(), Arc::clone(&self.broken));
-                // One task sends residency changes in order.
+                // One task sends residency changes and matches, in order.
                 self.rt.spawn(async move {
                     let mut c = c;
-                    while let Some(batch) = rx.recv().await {
-                        for part in batch.chunks(4096) {
-                            if let Err(e) = c.device_events(&p, part).await {
-                                tracing::warn!(error = %e, "kvtier device events failed");
-                                broken.store(true, std::sync::atomic::Ordering::Release);
-                                return;
+                    while let Some(msg) = rx.recv().await {
+                        match msg {
+                            Ordered::Events(batch) => {
+                                for part in batch.chunks(4096) {
+                                    if let Err(e) = c.device_events(&p, part).await {
+                                        tracing::warn!(error = %e, "kvtier device events failed");
+                                        broken.store(true, std::sync::atomic::Ordering::Release);
+                                        return;
+                                    }
+                                }
+                            }
+                            Ordered::Match { salt, keys, reply } => {
+                                let r = c
+                                    .match_keys(&p, &salt, &keys)
+                                    .await
+                                    .map(|m| m.tiers)
+                                    .map_err(|e| e.to_string());
+                                let _ = reply.send(r);
                             }
                         }
                     }
@@ -262,7 +286,7 @@ impl SidecarLink {
                 self.conn = Some(Conn {
                     client,
                     pool,
-                    events: tx,
+                    ordered: tx,
                 });
                 Some(true)
             }
@@ -289,13 +313,23 @@ impl SidecarLink {
         if keys.is_empty() {
             return Vec::new();
         }
-        let (mut c, p) = (conn.client.clone(), conn.pool.clone());
-        let r = self
-            .rt
-            .block_on(async move { c.match_keys(&p, salt, keys).await });
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let msg = Ordered::Match {
+            salt: salt.to_owned(),
+            keys: keys.to_vec(),
+            reply,
+        };
+        let r = match conn.ordered.send(msg) {
+            Ok(()) => self.rt.block_on(async move {
+                tokio::time::timeout(Duration::from_secs(5), answer)
+                    .await
+                    .map_err(|_| "match timed out".to_owned())?
+                    .map_err(|_| "the control task stopped".to_owned())?
+            }),
+            Err(_) => Err("the control task stopped".to_owned()),
+        };
         match r {
-            Ok(m) => m
-                .tiers
+            Ok(tiers) => tiers
                 .iter()
                 .map_while(|t| match kvtier_server::proto::Tier::try_from(*t) {
                     Ok(kvtier_server::proto::Tier::Host) => Some(TierHit::Host),
@@ -410,7 +444,7 @@ impl SidecarLink {
             return;
         }
         if let Some(conn) = &self.conn
-            && conn.events.send(events).is_err()
+            && conn.ordered.send(Ordered::Events(events)).is_err()
         {
             self.drop_conn("the device events task stopped");
         }
