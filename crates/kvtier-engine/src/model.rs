@@ -205,28 +205,45 @@ impl Model {
             let vc = Tensor::from_vec(vc, (ctx, kvh, hd), &dev)?
                 .transpose(0, 1)?
                 .contiguous()?;
-            // Query heads of one kv head are adjacent: [qh, n, hd] → [kvh, group·n, hd].
-            let qs = q
-                .narrow(1, row, n)?
-                .contiguous()?
-                .reshape((kvh, c.group() * n, hd))?;
-            let scores = (qs.matmul(&kc.t()?)? * scale)?;
-            let scores = if n > 1 {
-                let mask = causal_mask(n, chunk.start, &dev)?;
-                scores
-                    .reshape((kvh, c.group(), n, ctx))?
-                    .broadcast_add(&mask)?
-                    .reshape((kvh, c.group() * n, ctx))?
-            } else {
-                scores
-            };
-            let p = candle_nn::ops::softmax_last_dim(&scores)?;
-            let o = p
-                .matmul(&vc)?
-                .reshape((qh, n, hd))?
-                .transpose(0, 1)?
-                .reshape((n, qh * hd))?;
-            outs.push(o);
+            // Queries in blocks, so the scores stay small (large temporaries cost page faults
+            // on every allocation) and each block reads only the keys it can see.
+            let q_block = (ATTN_SCORE_FLOATS / (qh * ctx)).clamp(1, n);
+            let mut a = 0;
+            while a < n {
+                let m = q_block.min(n - a);
+                let visible = chunk.start + a + m;
+                // Query heads of one kv head are adjacent: [qh, m, hd] → [kvh, group·m, hd].
+                let qs = q
+                    .narrow(1, row + a, m)?
+                    .contiguous()?
+                    .reshape((kvh, c.group() * m, hd))?;
+                let (kv_k, kv_v) = if visible == ctx {
+                    (kc.clone(), vc.clone())
+                } else {
+                    (
+                        kc.narrow(1, 0, visible)?.contiguous()?,
+                        vc.narrow(1, 0, visible)?.contiguous()?,
+                    )
+                };
+                let scores = (qs.matmul(&kv_k.t()?)? * scale)?;
+                let scores = if m > 1 {
+                    let mask = causal_mask(m, chunk.start + a, &dev)?;
+                    scores
+                        .reshape((kvh, c.group(), m, visible))?
+                        .broadcast_add(&mask)?
+                        .reshape((kvh, c.group() * m, visible))?
+                } else {
+                    scores
+                };
+                let p = candle_nn::ops::softmax_last_dim(&scores)?;
+                let o = p
+                    .matmul(&kv_v)?
+                    .reshape((qh, m, hd))?
+                    .transpose(0, 1)?
+                    .reshape((m, qh * hd))?;
+                outs.push(o);
+                a += m;
+            }
             row += n;
         }
         let attn = Tensor::cat(&outs, 0)?;
@@ -249,6 +266,9 @@ impl Model {
         Ok((x + m)?)
     }
 }
+
+/// Attention scores computed at once, at most (16 MiB of f32).
+const ATTN_SCORE_FLOATS: usize = 4 << 20;
 
 /// `[n, start + n]`: row i (position start + i) sees columns 0 ..= start + i.
 fn causal_mask(n: usize, start: usize, dev: &Device) -> Result<Tensor, EngineError> {
