@@ -26,7 +26,8 @@ pub struct EngineFlags {
     /// kvtier host and disk through the sidecar).
     #[arg(long, default_value = "tiered")]
     pub kv_reuse: KvReuse,
-    /// The kvtier sidecar: unix:///path/to/kvtier.sock or http://host:port.
+    /// The kvtier sidecar: unix:///path/to/kvtier.sock or http://host:port (default with
+    /// --kv-reuse tiered: the socket `kvtier serve` uses by default).
     #[arg(long)]
     pub sidecar: Option<String>,
     /// KV dtype in the device pool: bf16, f16 or f32.
@@ -59,7 +60,11 @@ impl EngineFlags {
             device_slots: self.device_slots,
             pool_path: self.pool_path.clone(),
             kv_reuse: self.kv_reuse,
-            sidecar: self.sidecar.clone(),
+            sidecar: self.sidecar.clone().or_else(|| {
+                (self.kv_reuse == KvReuse::Tiered).then(|| {
+                    format!("unix://{}", kvtier_server::ServerConfig::default().server.socket.display())
+                })
+            }),
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,
             ..EngineConfig::default()
