@@ -62,7 +62,10 @@ impl EngineFlags {
             kv_reuse: self.kv_reuse,
             sidecar: self.sidecar.clone().or_else(|| {
                 (self.kv_reuse == KvReuse::Tiered).then(|| {
-                    format!("unix://{}", kvtier_server::ServerConfig::default().server.socket.display())
+                    format!(
+                        "unix://{}",
+                        kvtier_server::ServerConfig::default().server.socket.display()
+                    )
                 })
             }),
             max_batch_tokens: self.max_batch_tokens,

@@ -91,4 +91,22 @@ mod tests {
         std::fs::write(dir.path().join("tokenizer.json"), "{}").unwrap();
         assert!(TextCodec::for_model_dir(Some(dir.path())).is_err());
     }
+
+    #[test]
+    fn a_tokenizer_json_is_used_when_present() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("tokenizer.json"),
+            r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+                "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+                "decoder": null,
+                "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1, "world": 2}, "unk_token": "[UNK]"}}"#,
+        )
+        .unwrap();
+        let c = TextCodec::for_model_dir(Some(dir.path())).unwrap();
+        assert_eq!(c.name(), "tokenizer.json");
+        assert_eq!(c.encode("hello world hello").unwrap(), vec![1, 2, 1]);
+        assert_eq!(c.encode("bonjour").unwrap(), vec![0]);
+        assert_eq!(c.decode(&[1, 2]), "hello world");
+    }
 }

@@ -372,3 +372,102 @@ mod tests {
         assert!(e.contains("no *.safetensors"), "{e}");
     }
 }
+
+#[cfg(test)]
+mod hf_tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    /// Writes `w` as a Hugging Face checkpoint (bf16, split q/k/v and gate/up, two shards).
+    fn save_hf(dir: &Path, c: &ModelConfig, w: &Weights) {
+        let bf = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+        let (qd, kvd) = (c.q_heads * c.head_dim, c.kv_heads * c.head_dim);
+        let mut a: HashMap<String, Tensor> = HashMap::new();
+        let mut b: HashMap<String, Tensor> = HashMap::new();
+        a.insert("model.embed_tokens.weight".into(), bf(&w.embed));
+        b.insert("model.norm.weight".into(), bf(&w.norm));
+        b.insert("lm_head.weight".into(), bf(&w.lm_head));
+        for (l, lw) in w.layers.iter().enumerate() {
+            let p = format!("model.layers.{l}");
+            let m = if l == 0 { &mut a } else { &mut b };
+            m.insert(format!("{p}.input_layernorm.weight"), bf(&lw.input_norm));
+            m.insert(format!("{p}.post_attention_layernorm.weight"), bf(&lw.post_norm));
+            m.insert(
+                format!("{p}.self_attn.q_proj.weight"),
+                bf(&lw.qkv.narrow(0, 0, qd).unwrap()),
+            );
+            m.insert(
+                format!("{p}.self_attn.k_proj.weight"),
+                bf(&lw.qkv.narrow(0, qd, kvd).unwrap()),
+            );
+            m.insert(
+                format!("{p}.self_attn.v_proj.weight"),
+                bf(&lw.qkv.narrow(0, qd + kvd, kvd).unwrap()),
+            );
+            m.insert(format!("{p}.self_attn.o_proj.weight"), bf(&lw.o_proj));
+            m.insert(format!("{p}.self_attn.q_norm.weight"), bf(&lw.q_norm));
+            m.insert(format!("{p}.self_attn.k_norm.weight"), bf(&lw.k_norm));
+            let ffn = |m: &mut HashMap<String, Tensor>, prefix: &str, f: &FfnWeights| {
+                let i = f.down.dim(1).unwrap();
+                m.insert(
+                    format!("{prefix}.gate_proj.weight"),
+                    bf(&f.gate_up.narrow(0, 0, i).unwrap()),
+                );
+                m.insert(
+                    format!("{prefix}.up_proj.weight"),
+                    bf(&f.gate_up.narrow(0, i, i).unwrap()),
+                );
+                m.insert(format!("{prefix}.down_proj.weight"), bf(&f.down));
+            };
+            match &lw.mlp {
+                MlpWeights::Dense(f) => ffn(m, &format!("{p}.mlp"), f),
+                MlpWeights::Moe { router, experts } => {
+                    m.insert(format!("{p}.mlp.gate.weight"), bf(router));
+                    for (e, f) in experts.iter().enumerate() {
+                        ffn(m, &format!("{p}.mlp.experts.{e}"), f);
+                    }
+                }
+            }
+        }
+        candle_core::safetensors::save(&a, dir.join("model-00001-of-00002.safetensors")).unwrap();
+        candle_core::safetensors::save(&b, dir.join("model-00002-of-00002.safetensors")).unwrap();
+    }
+
+    #[test]
+    fn a_hugging_face_directory_loads_to_the_same_weights() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = ModelConfig::preset("tiny-moe").unwrap();
+        let w = Weights::random(&c, 9).unwrap();
+        save_hf(dir.path(), &c, &w);
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "num_hidden_layers": 2, "vocab_size": 512, "num_experts": 8, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+                "max_position_embeddings": 4096, "eos_token_id": 511}"#,
+        )
+        .unwrap();
+        let (lc, lw, d) = load_model(dir.path().to_str().unwrap(), Some(1), 0).unwrap();
+        assert_eq!((lc.layers, lc.mlp, d.as_deref()), (1, c.mlp, Some(dir.path())));
+        let v = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        // bf16 in the file: equal to the f32 originals rounded to bf16.
+        let round = |t: &Tensor| v(&t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap());
+        assert_eq!(v(&lw.layers[0].qkv), round(&w.layers[0].qkv));
+        assert_eq!(v(&lw.lm_head), round(&w.lm_head));
+        let (MlpWeights::Moe { experts: a, .. }, MlpWeights::Moe { experts: b, .. }) =
+            (&lw.layers[0].mlp, &w.layers[0].mlp)
+        else {
+            panic!("MoE")
+        };
+        assert_eq!(v(&a[5].gate_up), round(&b[5].gate_up));
+        // A missing tensor is named.
+        std::fs::remove_file(dir.path().join("model-00002-of-00002.safetensors")).unwrap();
+        let e = load_model(dir.path().to_str().unwrap(), None, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not found"), "{e}");
+        let e = load_model("no-such-model", None, 0).unwrap_err().to_string();
+        assert!(e.contains("unknown model") && e.contains("tiny"), "{e}");
+    }
+}
