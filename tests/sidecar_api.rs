@@ -440,20 +440,19 @@ async fn clear_forgets_a_namespace() {
             .await
             .unwrap();
     }
-    let sid = e.client.session_id();
+    let h = e.handle.clone();
     let r = e
         .client
-        .rpc()
-        .clear(proto::ClearRequest {
-            session_id: sid,
-            pool_id: e.handle.id,
-            cache_salt: "a".into(),
-            all: false,
-        })
+        .clear(&h, "a", false, proto::Tier::Unspecified)
         .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(r.host_blocks, 4);
+        .unwrap();
+    assert_eq!(r, (4, 0));
+    let err = e
+        .client
+        .clear(&h, "a", false, proto::Tier::Device)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("TIER_HOST"), "{err}");
     assert_eq!(
         e.client
             .match_tokens(&e.handle, "a", &tokens)
@@ -469,6 +468,11 @@ async fn clear_forgets_a_namespace() {
             .unwrap()
             .matched_tokens,
         64
+    );
+    // Host memory only: the blocks of "b" go (there is no disk tier to keep them).
+    assert_eq!(
+        e.client.clear(&h, "b", false, proto::Tier::Host).await.unwrap(),
+        (4, 0)
     );
     drop(e);
     sidecar.stop().await;

@@ -28,7 +28,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint, Uri};
 use tonic::{Request, Status};
 
-pub use kvtier_server::proto::{LoadDone, MatchResponse, PinResponse, StoreResponse};
+pub use kvtier_server::proto::{LoadDone, MatchResponse, PinResponse, StoreResponse, Tier};
 
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
@@ -543,6 +543,32 @@ impl Client {
             .await?
             .into_inner()
             .released_blocks)
+    }
+
+    /// Forgets the blocks of `salt`'s namespace of `pool` (or of every namespace with `all`)
+    /// in `tier` (`Tier::Unspecified`: every tier). Returns (host blocks, disk blocks) removed.
+    ///
+    /// # Errors
+    /// The sidecar's status.
+    pub async fn clear(
+        &mut self,
+        pool: &PoolHandle,
+        salt: &str,
+        all: bool,
+        tier: proto::Tier,
+    ) -> Result<(u64, u64), ClientError> {
+        let r = self
+            .rpc
+            .clear(proto::ClearRequest {
+                session_id: self.session_id,
+                pool_id: pool.id,
+                cache_salt: salt.to_owned(),
+                all,
+                tier: tier as i32,
+            })
+            .await?
+            .into_inner();
+        Ok((r.host_blocks, r.disk_blocks))
     }
 
     /// The sidecar's counters.

@@ -16,7 +16,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::kv_pages::KvPages;
 use crate::model::{Model, SeqChunk};
 use crate::sampling::{Sampler, Sampling};
-use crate::sidecar_link::{LoadEnd, LoadProgress, SidecarConfig, SidecarLink, TierHit};
+use crate::sidecar_link::{LoadEnd, LoadProgress, SidecarConfig, SidecarLink, StoreLog, TierHit, Window};
 use crate::slot_cache::{Residency, SlotCache};
 use crate::{EngineError, ModelConfig, Weights};
 
@@ -137,6 +137,43 @@ pub enum FinishReason {
     Stop,
 }
 
+/// When a request's kvtier copies ran, relative to its arrival.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct TransferSpan {
+    /// First copy started, ms after arrival.
+    pub start_ms: f64,
+    /// Last copy finished, ms after arrival.
+    pub end_ms: f64,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Sum of the copies' own durations, ms.
+    pub active_ms: f64,
+}
+
+impl TransferSpan {
+    fn of(arrived: Instant, windows: &[Window]) -> Option<Self> {
+        let start = windows.iter().map(|w| w.start).min()?;
+        let end = windows.iter().map(|w| w.end).max()?;
+        let ms = |t: Instant| t.saturating_duration_since(arrived).as_secs_f64() * 1e3;
+        Some(Self {
+            start_ms: ms(start),
+            end_ms: ms(end),
+            bytes: windows.iter().map(|w| w.bytes).sum(),
+            active_ms: windows.iter().map(|w| w.active.as_secs_f64() * 1e3).sum(),
+        })
+    }
+}
+
+/// A request's kvtier transfers: its prefix load (host/disk → device) and the stores of its
+/// new blocks (device → host) whose replies came before it finished.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Transfers {
+    /// The load, if the prefix came from kvtier.
+    pub load: Option<TransferSpan>,
+    /// The stores.
+    pub store: Option<TransferSpan>,
+}
+
 /// What a finished request used and how long it took.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Usage {
@@ -152,6 +189,8 @@ pub struct Usage {
     pub tpot_ms: f64,
     /// Arrival → last token, ms.
     pub e2e_ms: f64,
+    /// kvtier transfers.
+    pub transfers: Transfers,
 }
 
 /// A request's output, in order: `Token`s, then one `Finished` (or one `Failed`).
@@ -201,6 +240,8 @@ enum Command {
     Submit(Box<GenRequest>, UnboundedSender<SeqEvent>, Instant),
     Stats(mpsc::Sender<EngineStats>),
     ClearDeviceCache(mpsc::Sender<()>),
+    ClearTier(kvtier_client::Tier, mpsc::Sender<Result<(u64, u64), EngineError>>),
+    SidecarStats(mpsc::Sender<Result<String, EngineError>>),
 }
 
 /// A handle on the engine thread. Cheap to clone; the engine stops when the last handle is
@@ -219,6 +260,8 @@ impl std::fmt::Debug for Command {
             Command::Submit(..) => "Submit",
             Command::Stats(_) => "Stats",
             Command::ClearDeviceCache(_) => "ClearDeviceCache",
+            Command::ClearTier(..) => "ClearTier",
+            Command::SidecarStats(_) => "SidecarStats",
         })
     }
 }
@@ -399,7 +442,8 @@ impl Engine {
         rx.recv().map_err(|_| EngineError::Stopped)
     }
 
-    /// Forgets every unused block of the device cache (so the next prompt cannot hit it).
+    /// Forgets every unused block of the device cache (so the next prompt cannot hit it),
+    /// after the stores in flight have been answered (so kvtier holds what the device held).
     ///
     /// # Errors
     /// [`EngineError::Stopped`].
@@ -409,6 +453,32 @@ impl Engine {
             .send(Command::ClearDeviceCache(tx))
             .map_err(|_| EngineError::Stopped)?;
         rx.recv().map_err(|_| EngineError::Stopped)
+    }
+
+    /// Forgets kvtier's blocks in `tier` (every namespace): `Host` leaves only the disk copies,
+    /// `Unspecified` every tier. Returns (host blocks, disk blocks) removed.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] without a connected sidecar or when it refuses;
+    /// [`EngineError::Stopped`].
+    pub fn clear_tier(&self, tier: kvtier_client::Tier) -> Result<(u64, u64), EngineError> {
+        let (tx, rx) = mpsc::channel();
+        self.tx
+            .send(Command::ClearTier(tier, tx))
+            .map_err(|_| EngineError::Stopped)?;
+        rx.recv().map_err(|_| EngineError::Stopped)?
+    }
+
+    /// The sidecar's statistics snapshot (JSON).
+    ///
+    /// # Errors
+    /// As [`Engine::clear_tier`].
+    pub fn sidecar_stats(&self) -> Result<String, EngineError> {
+        let (tx, rx) = mpsc::channel();
+        self.tx
+            .send(Command::SidecarStats(tx))
+            .map_err(|_| EngineError::Stopped)?;
+        rx.recv().map_err(|_| EngineError::Stopped)?
     }
 }
 
@@ -444,6 +514,10 @@ struct Seq {
     /// Slots reserved for this sequence's growth (prompt + max_tokens), not yet allocated.
     reserved: usize,
     load: Option<PendingLoad>,
+    /// When the prefix load's copies ran.
+    load_window: Option<Window>,
+    /// When this sequence's stores ran.
+    store_log: StoreLog,
     cached: CachedTokens,
     /// The chunk run in this step is invalid (its kvtier load failed): redo it.
     invalid: bool,
@@ -516,11 +590,37 @@ impl Core {
                 let _ = reply.send(s);
             }
             Command::ClearDeviceCache(reply) => {
+                self.wait_for_stores();
                 self.cache.clear();
                 self.flush_residency();
                 let _ = reply.send(());
             }
+            Command::ClearTier(tier, reply) => {
+                self.wait_for_stores();
+                let r = match &mut self.link {
+                    Some(link) => link.clear(tier).map_err(EngineError::Config),
+                    None => Err(EngineError::Config("no kvtier sidecar configured".into())),
+                };
+                let _ = reply.send(r);
+            }
+            Command::SidecarStats(reply) => {
+                let r = match &mut self.link {
+                    Some(link) => link.sidecar_stats().map_err(EngineError::Config),
+                    None => Err(EngineError::Config("no kvtier sidecar configured".into())),
+                };
+                let _ = reply.send(r);
+            }
         }
+    }
+
+    /// Waits (up to 30 s) until every store sent has been answered.
+    fn wait_for_stores(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.link.as_ref().is_some_and(|l| l.stores_in_flight() > 0) && Instant::now() < deadline {
+            self.release_finished_transfers();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.release_finished_transfers();
     }
 
     fn reserved(&self) -> usize {
@@ -591,6 +691,8 @@ impl Core {
                 published: 0,
                 reserved: 0,
                 load: None,
+                load_window: None,
+                store_log: StoreLog::default(),
                 cached: CachedTokens::default(),
                 invalid: false,
             };
@@ -804,6 +906,7 @@ impl Core {
             load.progress.wait_end(load.deadline)
         };
         let s = &mut self.running[i];
+        s.load_window = load.progress.window();
         let keep = match &end {
             LoadEnd::Complete => load.hits.len(),
             LoadEnd::Missing(missing) => (0..load.hits.len())
@@ -877,7 +980,7 @@ impl Core {
                 self.cache.retain(*slot);
             }
             let slots: Vec<u32> = run.iter().map(|r| r.1).collect();
-            if !link.store(&s.salt, parent, run) {
+            if !link.store(&s.salt, parent, run, Arc::clone(&s.store_log)) {
                 for slot in slots {
                     self.cache.release(slot);
                 }
@@ -920,6 +1023,10 @@ impl Core {
                 0.0
             },
             e2e_ms: ms(now - s.arrived),
+            transfers: Transfers {
+                load: s.load_window.and_then(|w| TransferSpan::of(s.arrived, &[w])),
+                store: TransferSpan::of(s.arrived, &s.store_log.lock().unwrap_or_else(|e| e.into_inner())),
+            },
         };
         self.stats.requests += 1;
         self.stats.cached.device += s.cached.device;

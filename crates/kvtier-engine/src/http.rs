@@ -45,6 +45,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/flush_cache", post(flush_cache))
+        .route("/kvtier/clear", post(kvtier_clear))
+        .route("/kvtier/stats", get(kvtier_stats))
         .with_state(state)
 }
 
@@ -152,6 +155,7 @@ fn usage_json(u: &Usage) -> Value {
             "ttft_ms": u.ttft_ms,
             "tpot_ms": u.tpot_ms,
             "e2e_ms": u.e2e_ms,
+            "transfers": u.transfers,
         },
     })
 }
@@ -404,4 +408,59 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
         .map(PrometheusHandle::render)
         .unwrap_or_default();
     ([("content-type", "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// Runs a blocking engine call off the async workers.
+async fn engine_call<T: Send + 'static>(
+    s: &Arc<AppState>,
+    f: impl FnOnce(&crate::Engine) -> Result<T, EngineError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let engine = s.engine.clone();
+    tokio::task::spawn_blocking(move || f(&engine))
+        .await
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(ApiError::from)
+}
+
+/// SGLang's `/flush_cache`: forget the device prefix cache (after in-flight stores finish).
+async fn flush_cache(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
+    engine_call(&s, |e| e.clear_device_cache()).await?;
+    Ok(Json(json!({"flushed": "device"})))
+}
+
+#[derive(Debug, Deserialize)]
+struct ClearRequest {
+    tier: String,
+}
+
+/// Forget kvtier's blocks in one tier (`host`, `disk`) or `all` (benchmarks between scenarios).
+async fn kvtier_clear(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Json<Value>, ApiError> {
+    let r: ClearRequest = body(&b)?;
+    let tier = match r.tier.as_str() {
+        "host" => kvtier_client::Tier::Host,
+        "disk" => kvtier_client::Tier::Disk,
+        "all" => kvtier_client::Tier::Unspecified,
+        other => return Err(bad(format!("tier {other:?}: choose host, disk or all"))),
+    };
+    let (host, disk) = engine_call(&s, move |e| e.clear_tier(tier))
+        .await
+        .map_err(unavailable)?;
+    Ok(Json(json!({"host_blocks": host, "disk_blocks": disk})))
+}
+
+/// The sidecar's statistics snapshot.
+async fn kvtier_stats(State(s): State<Arc<AppState>>) -> Result<Response, ApiError> {
+    let json = engine_call(&s, |e| e.sidecar_stats())
+        .await
+        .map_err(unavailable)?;
+    Ok(([("content-type", "application/json")], json).into_response())
+}
+
+/// Sidecar trouble is the service's, not the request's.
+fn unavailable(e: ApiError) -> ApiError {
+    if e.0 == StatusCode::INTERNAL_SERVER_ERROR {
+        ApiError(StatusCode::SERVICE_UNAVAILABLE, e.1)
+    } else {
+        e
+    }
 }

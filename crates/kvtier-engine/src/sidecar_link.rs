@@ -25,6 +25,35 @@ pub enum TierHit {
     Disk,
 }
 
+/// One transfer as the engine saw it: its copies ran from `start` to `end` (engine clock,
+/// from the sidecar's timing relative to when the call was sent).
+#[derive(Debug, Clone, Copy)]
+pub struct Window {
+    /// First copy started.
+    pub start: Instant,
+    /// Last copy finished.
+    pub end: Instant,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Sum of the copies' own durations.
+    pub active: Duration,
+}
+
+impl Window {
+    fn of(sent: Instant, t: Option<&kvtier_server::proto::TransferTiming>, bytes: u64) -> Option<Self> {
+        let t = t?;
+        (bytes > 0).then(|| Self {
+            start: sent + Duration::from_micros(t.queue_us),
+            end: sent + Duration::from_micros(t.latency_us),
+            bytes,
+            active: Duration::from_micros(t.active_us),
+        })
+    }
+}
+
+/// The store windows of one sequence, appended by the store tasks.
+pub type StoreLog = Arc<Mutex<Vec<Window>>>;
+
 /// A load's progress, shared between the task reading its event stream and the forward pass
 /// waiting for layers.
 #[derive(Debug, Default)]
@@ -43,6 +72,8 @@ struct LoadState {
     /// Slots given up by the sequence while the load could still write them: released to the
     /// engine when the load ends.
     orphans: Vec<u32>,
+    /// When the copies ran (set by the final report).
+    window: Option<Window>,
 }
 
 /// How a load ended, as far as the sequence is concerned.
@@ -108,6 +139,11 @@ impl LoadProgress {
         }
     }
 
+    /// When the load's copies ran, once it has ended with a report.
+    pub fn window(&self) -> Option<Window> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).window
+    }
+
     /// Hands `slots` over to the load: if it has ended they come back at once (returned),
     /// otherwise they are released through the link when it ends.
     pub fn orphan(&self, slots: Vec<u32>) -> Vec<u32> {
@@ -121,11 +157,12 @@ impl LoadProgress {
     }
 }
 
-/// A store whose reply came: its slots may be reused.
+/// Slots a store (its reply came) or an abandoned load (it ended) no longer uses.
 #[derive(Debug)]
-pub struct Released {
-    /// The slots.
-    pub slots: Vec<u32>,
+struct Released {
+    slots: Vec<u32>,
+    /// From a store (counted in flight until now).
+    store: bool,
 }
 
 /// Connection settings.
@@ -172,6 +209,7 @@ pub struct SidecarLink {
     /// Set by background tasks when a call failed: the connection is dropped at the next
     /// engine step.
     broken: Arc<std::sync::atomic::AtomicBool>,
+    stores_in_flight: usize,
 }
 
 impl SidecarLink {
@@ -207,6 +245,7 @@ impl SidecarLink {
             released_tx,
             released_rx,
             broken: Arc::default(),
+            stores_in_flight: 0,
         })
     }
 
@@ -358,6 +397,7 @@ impl SidecarLink {
         let deadline = self.config.load_deadline;
         self.rt.spawn(async move {
             use kvtier_server::proto::load_event::Event;
+            let sent = Instant::now();
             let run = async {
                 let mut stream = c
                     .load(&p, &salt, &blocks, Some(deadline))
@@ -375,6 +415,8 @@ impl SidecarLink {
                         }
                         Some(Event::Done(d)) => {
                             let keys = kvtier_client::missing_keys(&d).map_err(|e| e.to_string())?;
+                            let w = Window::of(sent, d.timing.as_ref(), d.bytes);
+                            prog.update(|s| s.window = w);
                             return Ok(keys);
                         }
                         None => {}
@@ -405,7 +447,10 @@ impl SidecarLink {
                 orphans = std::mem::take(&mut s.orphans);
             });
             if !orphans.is_empty() {
-                let _ = released.send(Released { slots: orphans });
+                let _ = released.send(Released {
+                    slots: orphans,
+                    store: false,
+                });
             }
         });
         Some(progress)
@@ -413,16 +458,29 @@ impl SidecarLink {
 
     /// Stores a run of one sequence's blocks (`parent` precedes the first); the slots come
     /// back through [`SidecarLink::take_released`] when the sidecar has copied them (or the
-    /// call failed). Returns `false` (nothing sent, the caller keeps the slots) when down.
-    pub fn store(&mut self, salt: &str, parent: Option<BlockKey>, blocks: Vec<(BlockKey, u32)>) -> bool {
+    /// call failed), and the copy's window is appended to `log`. Returns `false` (nothing
+    /// sent, the caller keeps the slots) when down.
+    pub fn store(
+        &mut self,
+        salt: &str,
+        parent: Option<BlockKey>,
+        blocks: Vec<(BlockKey, u32)>,
+        log: StoreLog,
+    ) -> bool {
         let Some(conn) = &self.conn else {
             return false;
         };
         let (mut c, p, salt) = (conn.client.clone(), conn.pool.clone(), salt.to_owned());
         let (released, broken) = (self.released_tx.clone(), Arc::clone(&self.broken));
+        self.stores_in_flight += 1;
         self.rt.spawn(async move {
+            let sent = Instant::now();
             match c.store(&p, &salt, parent, &blocks).await {
-                Ok(_) => {}
+                Ok(r) => {
+                    if let Some(w) = Window::of(sent, r.timing.as_ref(), r.bytes) {
+                        log.lock().unwrap_or_else(|e| e.into_inner()).push(w);
+                    }
+                }
                 // A full queue or no host space drops the store (counted by the sidecar): the
                 // blocks stay on the device only.
                 Err(kvtier_client::ClientError::Status(s)) if s.code() == tonic::Code::ResourceExhausted => {}
@@ -433,9 +491,41 @@ impl SidecarLink {
             }
             let _ = released.send(Released {
                 slots: blocks.iter().map(|b| b.1).collect(),
+                store: true,
             });
         });
         true
+    }
+
+    /// Stores sent whose replies have not been taken yet.
+    pub fn stores_in_flight(&self) -> usize {
+        self.stores_in_flight
+    }
+
+    /// Forgets kvtier's blocks of every namespace in `tier` (host, disk or every tier), as a
+    /// benchmark does between scenarios. Returns (host blocks, disk blocks) removed.
+    ///
+    /// # Errors
+    /// Not connected, or the sidecar's refusal.
+    pub fn clear(&mut self, tier: kvtier_client::Tier) -> Result<(u64, u64), String> {
+        let conn = self.conn.as_ref().ok_or("the kvtier sidecar is not connected")?;
+        let (mut c, p) = (conn.client.clone(), conn.pool.clone());
+        self.rt
+            .block_on(async move { c.clear(&p, "", true, tier).await })
+            .map_err(|e| e.to_string())
+    }
+
+    /// The sidecar's statistics snapshot (JSON).
+    ///
+    /// # Errors
+    /// Not connected, or the call failed.
+    pub fn sidecar_stats(&mut self) -> Result<String, String> {
+        let conn = self.conn.as_ref().ok_or("the kvtier sidecar is not connected")?;
+        let mut c = conn.client.clone();
+        self.rt
+            .block_on(async move { c.stats().await })
+            .map(|s| s.json)
+            .map_err(|e| e.to_string())
     }
 
     /// Reports residency changes (in order, in the background).
@@ -452,6 +542,13 @@ impl SidecarLink {
 
     /// Slots whose stores or abandoned loads have finished.
     pub fn take_released(&mut self) -> Vec<u32> {
-        self.released_rx.try_iter().flat_map(|r| r.slots).collect()
+        let mut slots = Vec::new();
+        for r in self.released_rx.try_iter() {
+            if r.store {
+                self.stores_in_flight -= 1;
+            }
+            slots.extend(r.slots);
+        }
+        slots
     }
 }

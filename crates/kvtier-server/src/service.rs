@@ -633,12 +633,27 @@ impl KvTier for KvTierService {
                 let pool = self.state.pool(r.session_id, r.pool_id)?;
                 Some(pool.namespace(self.state.geometry, &r.cache_salt)?)
             };
+            let (host_tier, disk_tier) = match proto::Tier::try_from(r.tier) {
+                Ok(proto::Tier::Unspecified) => (true, true),
+                Ok(proto::Tier::Host) => (true, false),
+                Ok(proto::Tier::Disk) => (false, true),
+                _ => {
+                    return Err(ServerError::InvalidArgument(format!(
+                        "tier {}: clear TIER_HOST, TIER_DISK or every tier (TIER_UNSPECIFIED)",
+                        r.tier
+                    )));
+                }
+            };
             let state = Arc::clone(&self.state);
             let (host, kept, disk) = blocking(move || {
-                let (host, kept) = state.store.host().clear(ns);
+                let (host, kept) = if host_tier {
+                    state.store.host().clear(ns)
+                } else {
+                    (0, 0)
+                };
                 let disk = match state.store.disk() {
-                    Some(d) => d.clear(ns)?,
-                    None => 0,
+                    Some(d) if disk_tier => d.clear(ns)?,
+                    _ => 0,
                 };
                 Ok((host, kept, disk))
             })
