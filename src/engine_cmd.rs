@@ -23,7 +23,7 @@ pub struct EngineFlags {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Prefix reuse: none (recompute), device (the engine's own cache), tiered (device, then
-    /// kvtier host and disk through the sidecar).
+    /// kvtier host and disk through the sidecar), kvtier (kvtier's tiers only).
     #[arg(long, default_value = "tiered")]
     pub kv_reuse: KvReuse,
     /// The kvtier sidecar: unix:///path/to/kvtier.sock or http://host:port (default with
@@ -61,7 +61,7 @@ impl EngineFlags {
             pool_path: self.pool_path.clone(),
             kv_reuse: self.kv_reuse,
             sidecar: self.sidecar.clone().or_else(|| {
-                (self.kv_reuse == KvReuse::Tiered).then(|| {
+                self.kv_reuse.uses_kvtier().then(|| {
                     format!(
                         "unix://{}",
                         kvtier_server::ServerConfig::default().server.socket.display()
@@ -98,6 +98,7 @@ pub fn run(a: EngineArgs) -> Result<()> {
         .install_recorder()
         .context("installing the metrics recorder")?;
     let (engine, codec) = a.engine.start()?;
+    let policy = a.engine.kv_reuse;
     let m = engine.model();
     eprintln!(
         "kvtier engine: model {} ({} layers, {:.2} B parameters), KV {}, reuse {:?}, tokenizer {}",
@@ -105,7 +106,7 @@ pub fn run(a: EngineArgs) -> Result<()> {
         m.layers,
         m.parameters() as f64 / 1e9,
         engine.geometry(),
-        engine.kv_reuse(),
+        policy,
         codec.name(),
     );
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -131,17 +132,30 @@ pub fn run(a: EngineArgs) -> Result<()> {
     })
 }
 
+/// The model a benchmark starts its engine with.
 #[derive(Debug, Args)]
-pub struct EngineBenchArgs {
+pub struct BenchModelArgs {
     /// A preset or a Hugging Face model directory.
     #[arg(long, default_value = "qwen3-30b-a3b")]
     pub model: String,
     /// Keep only the first N layers (default 1, as the seed experiment; 0 keeps all).
     #[arg(long, default_value_t = 1)]
     pub layers: usize,
-    /// Seed of the random weights.
+    /// Seed of the random weights (and of the dataset).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+}
+
+impl BenchModelArgs {
+    fn layers(&self) -> Option<usize> {
+        (self.layers > 0).then_some(self.layers)
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct EngineBenchArgs {
+    #[command(flatten)]
+    pub model: BenchModelArgs,
     /// Prompt length of the TTFT scenarios.
     #[arg(long, default_value_t = 4096)]
     pub prompt_tokens: usize,
@@ -176,9 +190,9 @@ pub struct EngineBenchArgs {
 
 pub fn bench(a: EngineBenchArgs) -> Result<()> {
     let config = kvtier_bench::EngineBenchConfig {
-        model: a.model,
-        layers: (a.layers > 0).then_some(a.layers),
-        seed: a.seed,
+        layers: a.model.layers(),
+        seed: a.model.seed,
+        model: a.model.model,
         prompt_tokens: a.prompt_tokens,
         hit_rate: a.hit_rate,
         rounds: a.rounds,
@@ -210,4 +224,183 @@ pub fn bench(a: EngineBenchArgs) -> Result<()> {
     });
     bar.finish();
     crate::print_report(&report.context("bench engine")?, a.json, |r| r.lines())
+}
+
+#[derive(Debug, Args)]
+pub struct ServeBenchArgs {
+    /// A running engine (http://host:port); without it the benchmark starts an engine and an
+    /// embedded sidecar (host and disk tiers) itself.
+    #[arg(long)]
+    pub base_url: Option<String>,
+    #[command(flatten)]
+    pub model: BenchModelArgs,
+    /// Prompt tokens per request.
+    #[arg(long, default_value_t = 4096)]
+    pub input_len: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 16)]
+    pub output_len: usize,
+    /// Fraction of each prompt that is the shared prefix.
+    #[arg(long, default_value_t = 0.9)]
+    pub hit_rate: f64,
+    /// Requests per run (default: the batch size).
+    #[arg(long)]
+    pub num_prompts: Option<usize>,
+    /// Requests in flight at most (default: the batch size).
+    #[arg(long)]
+    pub max_concurrency: Option<usize>,
+    /// Requests per second, Poisson arrivals ("inf": all at once).
+    #[arg(long, default_value = "inf")]
+    pub request_rate: f64,
+    /// Batch sizes to sweep, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "4")]
+    pub batch: Vec<usize>,
+    /// Scenarios, comma separated: recompute, host, disk, hbm.
+    #[arg(long, value_delimiter = ',', default_value = "recompute,host,disk,hbm")]
+    pub scenarios: Vec<kvtier_bench::Scenario>,
+    /// KV block size of the engine it starts.
+    #[arg(long, default_value_t = 64)]
+    pub block_tokens: u32,
+    /// Chunked-prefill budget of the engine it starts.
+    #[arg(long, default_value_t = 512)]
+    pub max_batch_tokens: usize,
+    /// Host tier of the sidecar it starts.
+    #[arg(long, default_value = "2GiB")]
+    pub host_capacity: kvtier_core::ByteSize,
+    /// Disk tier of the sidecar it starts.
+    #[arg(long, default_value = "4GiB")]
+    pub disk_capacity: kvtier_core::ByteSize,
+    /// Print one JSON line per run instead of the text.
+    #[arg(long)]
+    pub json: bool,
+    /// Draw TTFT and throughput per scenario and batch size into this SVG file.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+impl ServeBenchArgs {
+    fn config(&self) -> kvtier_bench::ServeConfig {
+        kvtier_bench::ServeConfig {
+            base_url: self.base_url.clone(),
+            model: self.model.model.clone(),
+            layers: self.model.layers(),
+            seed: self.model.seed,
+            input_len: self.input_len,
+            output_len: self.output_len,
+            hit_rate: self.hit_rate,
+            num_prompts: self.num_prompts,
+            max_concurrency: self.max_concurrency,
+            request_rate: self.request_rate,
+            batches: self.batch.clone(),
+            scenarios: self.scenarios.clone(),
+            block_tokens: self.block_tokens,
+            max_batch_tokens: self.max_batch_tokens,
+            host_capacity: self.host_capacity,
+            disk_capacity: self.disk_capacity,
+        }
+    }
+}
+
+fn run_serve_bench(config: &kvtier_bench::ServeConfig) -> Result<kvtier_bench::ServeReport> {
+    eprintln!(
+        "kvtier bench serve: {} | input {} output {} hit {:.0}% | batch {:?} | scenarios {}",
+        config.base_url.clone().unwrap_or_else(|| format!(
+            "{}{} (embedded engine + sidecar)",
+            config.model,
+            config
+                .layers
+                .map(|l| format!(" --layers {l}"))
+                .unwrap_or_default()
+        )),
+        config.input_len,
+        config.output_len,
+        config.hit_rate * 100.0,
+        config.batches,
+        config
+            .scenarios
+            .iter()
+            .map(|s| s.name())
+            .collect::<Vec<_>>()
+            .join(","),
+    );
+    let mut bar = kvtier_bench::ProgressBar::new("requests", 1);
+    let report = kvtier_bench::run_serve(config, &mut |done, total| {
+        bar.set_total(total as u64);
+        bar.update(done as u64);
+    });
+    bar.finish();
+    report.context("bench serve")
+}
+
+fn write_plot(report: &kvtier_bench::ServeReport, path: &std::path::Path) -> Result<()> {
+    std::fs::write(path, report.svg()).with_context(|| format!("writing {}", path.display()))
+}
+
+pub fn serve_bench(a: ServeBenchArgs) -> Result<()> {
+    let report = run_serve_bench(&a.config())?;
+    if a.json {
+        let mut out = std::io::stdout().lock();
+        for run in &report.runs {
+            use std::io::Write;
+            writeln!(out, "{}", serde_json::to_string(run)?)?;
+        }
+    } else {
+        for line in report.lines() {
+            println!("{line}");
+        }
+    }
+    if let Some(p) = &a.plot {
+        write_plot(&report, p)?;
+        eprintln!("plot written to {}", p.display());
+    }
+    Ok(())
+}
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Where to draw the comparison.
+    #[arg(long, default_value = "kvtier-demo.svg")]
+    pub plot: PathBuf,
+    /// Prompt tokens per request.
+    #[arg(long, default_value_t = 4096)]
+    pub input_len: usize,
+    /// Concurrent requests per scenario.
+    #[arg(long, default_value_t = 4)]
+    pub batch: usize,
+}
+
+/// The embedded demo: sidecar + engine in this process, the four scenarios at 90% hit.
+pub fn demo(a: DemoArgs) -> Result<()> {
+    let config = kvtier_bench::ServeConfig {
+        input_len: a.input_len,
+        batches: vec![a.batch],
+        ..kvtier_bench::ServeConfig::default()
+    };
+    let report = run_serve_bench(&config)?;
+    for line in report.lines() {
+        println!("{line}");
+    }
+    let ttft = |s: kvtier_bench::Scenario| {
+        report
+            .runs
+            .iter()
+            .find(|r| r.scenario == s)
+            .map(|r| r.ttft_ms.mean)
+    };
+    use kvtier_bench::Scenario::{Disk, Hbm, Host, Recompute};
+    if let (Some(rc), Some(h), Some(d), Some(hbm)) = (ttft(Recompute), ttft(Host), ttft(Disk), ttft(Hbm)) {
+        println!();
+        println!(
+            "mean TTFT at 90% hit: recompute {rc:.0} ms, host {h:.0} ms, disk {d:.0} ms, hbm {hbm:.0} ms"
+        );
+        println!(
+            "host/hbm={:.2} host/recompute={:.2} disk/hbm={:.2}",
+            h / hbm,
+            h / rc,
+            d / hbm
+        );
+    }
+    write_plot(&report, &a.plot)?;
+    println!("plot written to {}", a.plot.display());
+    Ok(())
 }

@@ -32,6 +32,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// The embedded demo: a kvtier sidecar and a Qwen3-30B-A3B-shaped 1-layer engine in this
+    /// process, serving 4096-token prompts at 90% prefix hit four ways — recomputed, from
+    /// kvtier's host tier, from its disk tier, resident in device memory — side by side.
+    Demo(engine_cmd::DemoArgs),
     /// Run a benchmark (`kvtier bench offload --help`).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -99,6 +103,9 @@ enum BenchCommand {
     /// prompt with a cached prefix, recomputed vs loaded from kvtier's host tier vs still in the
     /// device pool.
     Engine(engine_cmd::EngineBenchArgs),
+    /// Serving benchmark against the engine's HTTP API (like SGLang's bench_serving): a
+    /// shared prefix at --hit-rate, scenarios recompute / host / disk / hbm side by side.
+    Serve(engine_cmd::ServeBenchArgs),
     /// Fill a disk tier, drop it, and time reopening it (the index rebuilt from region index
     /// files, or with --scan also from every header and payload).
     Recovery(RecoveryArgs),
@@ -297,6 +304,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Recovery(a)) => bench_recovery(a),
         Command::Bench(BenchCommand::Match(a)) => bench_match(a),
         Command::Bench(BenchCommand::Engine(a)) => engine_cmd::bench(a),
+        Command::Bench(BenchCommand::Serve(a)) => engine_cmd::serve_bench(a),
+        Command::Demo(a) => engine_cmd::demo(a),
         Command::Keys(a) => keys(a),
         Command::Serve(a) => serve(a),
         Command::Health(a) => health(a),

@@ -9,7 +9,7 @@ use kvtier_engine::{Engine, EngineConfig, EngineStats, GenRequest, KvReuse, Samp
 use serde::Serialize;
 
 use crate::BenchError;
-use crate::sidecar::{SidecarTarget, start};
+use crate::sidecar::{SidecarTarget, base_overrides, start};
 use crate::summary::Summary;
 
 /// What to run.
@@ -158,15 +158,7 @@ pub fn run_engine_bench(
         ..EngineConfig::default()
     };
     let geometry = kvtier_engine::engine::kv_geometry(&model, &engine_config).map_err(err)?;
-    let overrides = vec![
-        format!("model.layers={}", geometry.layers()),
-        format!("model.kv_heads={}", geometry.kv_heads()),
-        format!("model.head_dim={}", geometry.head_dim()),
-        format!("model.dtype=\"{}\"", geometry.dtype()),
-        format!("model.block_tokens={}", geometry.block_tokens()),
-        format!("host.capacity=\"{}\"", config.host_capacity),
-        "server.metrics=\"off\"".into(),
-    ];
+    let overrides = base_overrides(&geometry, config.host_capacity);
     let (url, _sidecar) = start(&config.sidecar, &overrides)?;
     let engine = Engine::start(
         model.clone(),

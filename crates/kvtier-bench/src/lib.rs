@@ -7,9 +7,11 @@
 mod baselines;
 mod engine_bench;
 mod error;
+mod http_client;
 mod offload;
 mod progress;
 mod recovery;
+mod serve;
 mod sidecar;
 mod summary;
 mod workload;
@@ -19,6 +21,7 @@ pub use error::BenchError;
 pub use offload::{BenchTier, DiskFigures, OffloadConfig, OffloadReport, run_offload};
 pub use progress::ProgressBar;
 pub use recovery::{RecoveryConfig, RecoveryReport, run_recovery};
+pub use serve::{Scenario, ServeConfig, ServeReport, ServeRun, run_serve};
 pub use sidecar::{
     MatchBenchConfig, MatchBenchReport, MatchFigures, SidecarOffloadReport, SidecarTarget, run_match,
     run_offload_sidecar,

@@ -78,9 +78,9 @@ impl Drop for Running {
     }
 }
 
-/// `--set` overrides that give a sidecar the benchmark's geometry and sizes.
-fn server_overrides(geometry: &KvGeometry, host: ByteSize, config: &OffloadConfig) -> Vec<String> {
-    let t = &config.transfer;
+/// `--set` overrides for a sidecar serving `geometry` with a `host` tier and no metrics
+/// listener.
+pub(crate) fn base_overrides(geometry: &KvGeometry, host: ByteSize) -> Vec<String> {
     vec![
         format!("model.layers={}", geometry.layers()),
         format!("model.kv_heads={}", geometry.kv_heads()),
@@ -88,6 +88,15 @@ fn server_overrides(geometry: &KvGeometry, host: ByteSize, config: &OffloadConfi
         format!("model.dtype=\"{}\"", geometry.dtype()),
         format!("model.block_tokens={}", geometry.block_tokens()),
         format!("host.capacity=\"{host}\""),
+        "server.metrics=\"off\"".into(),
+    ]
+}
+
+/// `--set` overrides that give a sidecar the benchmark's geometry and sizes.
+fn server_overrides(geometry: &KvGeometry, host: ByteSize, config: &OffloadConfig) -> Vec<String> {
+    let t = &config.transfer;
+    let mut o = base_overrides(geometry, host);
+    o.extend([
         format!(
             "host.eviction=\"{}\"",
             match config.eviction {
@@ -99,8 +108,8 @@ fn server_overrides(geometry: &KvGeometry, host: ByteSize, config: &OffloadConfi
         format!("transfer.store_threads={}", t.store_threads),
         format!("transfer.chunk_bytes=\"{}\"", t.chunk_bytes),
         format!("transfer.store_nice={}", t.store_nice),
-        "server.metrics=\"off\"".into(),
-    ]
+    ]);
+    o
 }
 
 /// Starts (or names) the sidecar with `overrides` (`key.path=value`); returns its URL and a

@@ -31,6 +31,21 @@ pub enum KvReuse {
     /// Device first, then kvtier's host and disk tiers (needs a sidecar).
     #[default]
     Tiered,
+    /// kvtier's tiers only: the device cache never serves a hit, so every reused prefix is
+    /// loaded from host or disk (to measure the tiers; needs a sidecar).
+    Kvtier,
+}
+
+impl KvReuse {
+    /// Prefixes may come from the engine's device cache.
+    pub fn uses_device(self) -> bool {
+        matches!(self, Self::Device | Self::Tiered)
+    }
+
+    /// Prefixes may come from kvtier.
+    pub fn uses_kvtier(self) -> bool {
+        matches!(self, Self::Tiered | Self::Kvtier)
+    }
 }
 
 impl std::str::FromStr for KvReuse {
@@ -40,8 +55,9 @@ impl std::str::FromStr for KvReuse {
             "none" => Ok(Self::None),
             "device" => Ok(Self::Device),
             "tiered" => Ok(Self::Tiered),
+            "kvtier" => Ok(Self::Kvtier),
             other => Err(EngineError::Config(format!(
-                "--kv-reuse {other:?}: choose none, device or tiered"
+                "--kv-reuse {other:?}: choose none, device, tiered or kvtier"
             ))),
         }
     }
@@ -234,6 +250,10 @@ pub struct EngineStats {
     pub device_cached_blocks: usize,
     /// Whether the sidecar is connected.
     pub sidecar_connected: bool,
+    /// The reuse policy now.
+    pub kv_reuse: KvReuse,
+    /// Device pool size, blocks.
+    pub device_slots: usize,
 }
 
 enum Command {
@@ -241,6 +261,7 @@ enum Command {
     Stats(mpsc::Sender<EngineStats>),
     ClearDeviceCache(mpsc::Sender<()>),
     ClearTier(kvtier_client::Tier, mpsc::Sender<Result<(u64, u64), EngineError>>),
+    SetReuse(KvReuse, mpsc::Sender<()>),
     SidecarStats(mpsc::Sender<Result<String, EngineError>>),
 }
 
@@ -251,7 +272,6 @@ pub struct Engine {
     tx: mpsc::Sender<Command>,
     model: Arc<ModelConfig>,
     geometry: KvGeometry,
-    kv_reuse: KvReuse,
 }
 
 impl std::fmt::Debug for Command {
@@ -261,6 +281,7 @@ impl std::fmt::Debug for Command {
             Command::Stats(_) => "Stats",
             Command::ClearDeviceCache(_) => "ClearDeviceCache",
             Command::ClearTier(..) => "ClearTier",
+            Command::SetReuse(..) => "SetReuse",
             Command::SidecarStats(_) => "SidecarStats",
         })
     }
@@ -306,8 +327,8 @@ impl Engine {
         };
         let pool = Arc::new(CpuDevicePool::create(Some(&path), geometry, config.device_slots)?);
         let kv = KvPages::new(Arc::clone(&pool))?;
-        let link = match (&config.sidecar, config.kv_reuse) {
-            (Some(target), KvReuse::Tiered) => Some(SidecarLink::new(
+        let link = match (&config.sidecar, config.kv_reuse.uses_kvtier()) {
+            (Some(target), true) => Some(SidecarLink::new(
                 SidecarConfig {
                     target: target.clone(),
                     retry: Duration::from_millis(config.reconnect_ms),
@@ -316,7 +337,7 @@ impl Engine {
                 model.name.clone(),
                 Arc::clone(&pool),
             )?),
-            (None, KvReuse::Tiered) => {
+            (None, true) => {
                 tracing::warn!("no kvtier sidecar configured: serving from the device cache only");
                 None
             }
@@ -326,7 +347,7 @@ impl Engine {
         let model = Model::new(model, weights)?;
         let (tx, rx) = mpsc::channel();
         let mut core = Core {
-            cache: SlotCache::new(config.device_slots, config.kv_reuse != KvReuse::None),
+            cache: SlotCache::new(config.device_slots, config.kv_reuse.uses_device()),
             model,
             kv,
             link,
@@ -354,7 +375,6 @@ impl Engine {
             tx,
             model: model_arc,
             geometry,
-            kv_reuse: config.kv_reuse,
         })
     }
 
@@ -368,9 +388,17 @@ impl Engine {
         self.geometry
     }
 
-    /// The reuse policy.
-    pub fn kv_reuse(&self) -> KvReuse {
-        self.kv_reuse
+    /// Changes the reuse policy from the next admission on (benchmarks switch between
+    /// scenarios). Switching to a kvtier policy needs a sidecar configured at start.
+    ///
+    /// # Errors
+    /// [`EngineError::Stopped`].
+    pub fn set_kv_reuse(&self, policy: KvReuse) -> Result<(), EngineError> {
+        let (tx, rx) = mpsc::channel();
+        self.tx
+            .send(Command::SetReuse(policy, tx))
+            .map_err(|_| EngineError::Stopped)?;
+        rx.recv().map_err(|_| EngineError::Stopped)
     }
 
     /// Queues a request; its tokens and end arrive on the returned channel. Dropping the
@@ -587,6 +615,8 @@ impl Core {
                 s.waiting = self.waiting.len();
                 s.device_cached_blocks = self.cache.cached_blocks();
                 s.sidecar_connected = self.link.as_ref().is_some_and(SidecarLink::is_connected);
+                s.kv_reuse = self.config.kv_reuse;
+                s.device_slots = self.cache.total();
                 let _ = reply.send(s);
             }
             Command::ClearDeviceCache(reply) => {
@@ -602,6 +632,11 @@ impl Core {
                     None => Err(EngineError::Config("no kvtier sidecar configured".into())),
                 };
                 let _ = reply.send(r);
+            }
+            Command::SetReuse(policy, reply) => {
+                self.config.kv_reuse = policy;
+                self.cache.set_reuse(policy.uses_device());
+                let _ = reply.send(());
             }
             Command::SidecarStats(reply) => {
                 let r = match &mut self.link {
@@ -698,7 +733,7 @@ impl Core {
             };
             // At least the last prompt token is computed (its logits give the first token).
             let reusable = (seq.prompt_len - 1) / bt;
-            if self.config.kv_reuse != KvReuse::None {
+            if self.config.kv_reuse.uses_device() {
                 for b in 0..reusable {
                     let key = seq.key_of(b);
                     match self.cache.acquire(key) {
@@ -723,6 +758,7 @@ impl Core {
             seq.published = device_hits;
             seq.cached.device = device_hits * bt;
             if let Some(link) = &mut self.link
+                && self.config.kv_reuse.uses_kvtier()
                 && device_hits < reusable
             {
                 let keys: Vec<BlockKey> = (device_hits..reusable).map(|b| seq.key_of(b)).collect();
@@ -963,11 +999,14 @@ impl Core {
             return;
         }
         let mut run = Vec::new();
+        let kvtier_only = self.config.kv_reuse == KvReuse::Kvtier;
         let parent = s.published.checked_sub(1).map(|b| s.key_of(b));
         for b in s.published..full {
             let key = s.key_of(b);
             let slot = s.blocks[b];
-            if self.cache.publish(slot, key) {
+            // kvtier-only: nothing is published on the device (so the sidecar never answers
+            // DEVICE for it), but new blocks still go to kvtier.
+            if self.cache.publish(slot, key) || kvtier_only {
                 run.push((key, slot));
             }
         }

@@ -48,6 +48,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/flush_cache", post(flush_cache))
         .route("/kvtier/clear", post(kvtier_clear))
         .route("/kvtier/stats", get(kvtier_stats))
+        .route("/kvtier/reuse", post(kvtier_reuse))
         .with_state(state)
 }
 
@@ -393,11 +394,14 @@ async fn health(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError>
     Ok(Json(json!({
         "status": "ok",
         "model": s.engine.model().name,
-        "kv_reuse": s.engine.kv_reuse(),
+        "kv_reuse": stats.kv_reuse,
         "sidecar_connected": stats.sidecar_connected,
         "running": stats.running,
         "waiting": stats.waiting,
         "device_cached_blocks": stats.device_cached_blocks,
+        "device_slots": stats.device_slots,
+        "block_tokens": s.engine.geometry().block_tokens(),
+        "parameters": s.engine.model().parameters(),
     })))
 }
 
@@ -463,4 +467,17 @@ fn unavailable(e: ApiError) -> ApiError {
     } else {
         e
     }
+}
+
+#[derive(Debug, Deserialize)]
+struct ReuseRequest {
+    kv_reuse: String,
+}
+
+/// Switch the prefix reuse policy (`none`, `device`, `tiered`, `kvtier`) for the next requests.
+async fn kvtier_reuse(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Json<Value>, ApiError> {
+    let r: ReuseRequest = body(&b)?;
+    let policy: crate::KvReuse = r.kv_reuse.parse().map_err(|e: EngineError| bad(e.to_string()))?;
+    engine_call(&s, move |e| e.set_kv_reuse(policy)).await?;
+    Ok(Json(json!({"kv_reuse": policy})))
 }

@@ -56,6 +56,11 @@ impl SlotCache {
         }
     }
 
+    /// Turns publishing on or off (blocks already published stay).
+    pub fn set_reuse(&mut self, reuse: bool) {
+        self.reuse = reuse;
+    }
+
     /// Slots in the pool.
     pub fn total(&self) -> usize {
         self.slots.len()
