@@ -27,6 +27,11 @@ pub const DECODE_TOKENS: &str = "kvtier_engine_decode_tokens_total";
 /// Seconds of decode-only forward passes.
 pub const DECODE_SECONDS: &str = "kvtier_engine_decode_seconds_total";
 
+/// Prompt tokens per second of the latest forward pass with prefill work.
+pub const PREFILL_TOK_S: &str = "kvtier_engine_prefill_tokens_per_second";
+/// Tokens per second of the latest decode-only forward pass.
+pub const DECODE_TOK_S: &str = "kvtier_engine_decode_tokens_per_second";
+
 /// Every name, for the test that scrapes `/metrics`.
 pub const ALL: &[&str] = &[
     REQUESTS,
@@ -39,6 +44,8 @@ pub const ALL: &[&str] = &[
     PREFILL_SECONDS,
     DECODE_TOKENS,
     DECODE_SECONDS,
+    PREFILL_TOK_S,
+    DECODE_TOK_S,
 ];
 
 pub(crate) fn request_finished(u: &Usage) {
@@ -56,11 +63,14 @@ pub(crate) fn request_finished(u: &Usage) {
 
 pub(crate) fn forward_pass(prefill_tokens: usize, decode_tokens: usize, seconds: f64) {
     // Seconds accumulate as f64 (a gauge that only grows, exported as such).
+    let rate = |n: usize| if seconds > 0.0 { n as f64 / seconds } else { 0.0 };
     if prefill_tokens > 0 {
         counter!(PREFILL_TOKENS).increment(prefill_tokens as u64);
         gauge!(PREFILL_SECONDS).increment(seconds);
+        gauge!(PREFILL_TOK_S).set(rate(prefill_tokens));
     } else {
         counter!(DECODE_TOKENS).increment(decode_tokens as u64);
         gauge!(DECODE_SECONDS).increment(seconds);
+        gauge!(DECODE_TOK_S).set(rate(decode_tokens));
     }
 }
