@@ -75,7 +75,8 @@ pub struct EngineConfig {
     /// Device pool slots (blocks). Default 1024.
     pub device_slots: u32,
     /// Where the device pool's shared-memory file goes; default
-    /// `/dev/shm/kvtier-engine-<pid>-<n>.pool`, removed when the engine stops.
+    /// `/dev/shm/kvtier-engine-<pid>-<n>.pool` (the temp directory without /dev/shm), removed
+    /// when the engine stops.
     pub pool_path: Option<PathBuf>,
     /// Prefix reuse policy. Default tiered.
     pub kv_reuse: KvReuse,
@@ -322,7 +323,14 @@ impl Engine {
             None => {
                 static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
                 let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                PathBuf::from(format!("/dev/shm/kvtier-engine-{}-{n}.pool", std::process::id()))
+                // Shared memory when the system has it, else the temp directory.
+                let shm = std::path::Path::new("/dev/shm");
+                let dir = if shm.is_dir() {
+                    shm.to_owned()
+                } else {
+                    std::env::temp_dir()
+                };
+                dir.join(format!("kvtier-engine-{}-{n}.pool", std::process::id()))
             }
         };
         let pool = Arc::new(CpuDevicePool::create(Some(&path), geometry, config.device_slots)?);
