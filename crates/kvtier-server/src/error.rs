@@ -125,7 +125,9 @@ pub fn code_of(e: &ServerError) -> Code {
 fn store_code(e: &StoreError) -> Code {
     match e {
         StoreError::FileNotFound { .. } | StoreError::NotFound { .. } => Code::NotFound,
-        StoreError::WrongSize { .. } | StoreError::DiskGeometryMismatch { .. } => Code::FailedPrecondition,
+        StoreError::WrongSize { .. }
+        | StoreError::DiskGeometryMismatch { .. }
+        | StoreError::RegionUnusable { .. } => Code::FailedPrecondition,
         StoreError::NoSpace { .. } | StoreError::DiskFull { .. } => Code::ResourceExhausted,
         StoreError::OutOfBounds { .. }
         | StoreError::LayerOutOfRange { .. }
@@ -145,6 +147,7 @@ fn transfer_code(e: &TransferError) -> Code {
         TransferError::GeometryMismatch { .. }
         | TransferError::NotAPool { .. }
         | TransferError::SlotCountMismatch { .. }
+        | TransferError::PoolUnusable { .. }
         | TransferError::NoSlots => Code::FailedPrecondition,
         TransferError::QueueFull { .. } => Code::ResourceExhausted,
         TransferError::ShutDown | TransferError::WouldBlock => Code::Unavailable,

@@ -149,6 +149,15 @@ pub enum StoreError {
         /// The geometry in the file.
         found: KvGeometry,
     },
+    /// Shared memory whose file was truncated, replaced or unlinked by another process: its
+    /// bytes are not the ones that were mapped, so every access to it fails from now on.
+    #[error("shared memory {region} is no longer usable: {reason}")]
+    RegionUnusable {
+        /// Region name (path or memfd name).
+        region: String,
+        /// What changed.
+        reason: String,
+    },
     /// No page could be allocated: every page is pinned, being written, or holds a prefix of
     /// another resident block.
     #[error(

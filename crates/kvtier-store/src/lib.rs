@@ -20,6 +20,7 @@ mod disk_format;
 mod disk_tier;
 mod error;
 mod eviction;
+mod fault_guard;
 mod host_arena;
 mod host_tier;
 mod key_hasher;

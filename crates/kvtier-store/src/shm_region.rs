@@ -5,16 +5,23 @@
 //! module sees a pointer. Several processes may map the same file: who may write which bytes
 //! when is a protocol above this module (slot ownership, page pins), exactly as for memory
 //! shared with a GPU.
+//!
+//! A shared mapping is only as long as its file, and another process may shrink the file: every
+//! shared region is registered with the bus-error guard (`fault_guard`), every accessor checks
+//! it afterwards, and a region whose file shrank, was replaced or unlinked reports
+//! [`StoreError::RegionUnusable`] from then on instead of crashing the process.
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use memmap2::{MmapOptions, MmapRaw};
 
 use crate::StoreError;
+use crate::fault_guard::FaultGuard;
 
 /// How the pages of a new mapping are made resident before first use.
 ///
@@ -39,6 +46,10 @@ pub enum Prefault {
 /// bytes asked for.
 #[derive(Debug)]
 pub struct ShmRegion {
+    /// Declared before `map`: unregistered before the mapping goes away.
+    guard: Option<FaultGuard>,
+    /// The mapped file (shared regions), for [`ShmRegion::check_backing`].
+    file: Option<File>,
     map: MmapRaw,
     len: usize,
     name: String,
@@ -72,7 +83,7 @@ impl ShmRegion {
                 },
                 _ => StoreError::io("create", path, e),
             })?;
-        let result = Self::size_and_map(&file, len, path.display().to_string(), prefault);
+        let result = Self::size_and_map(file, len, path.display().to_string(), prefault);
         match result {
             Ok(mut region) => {
                 region.path = Some(path.to_owned());
@@ -101,7 +112,7 @@ impl ShmRegion {
         }
         // SAFETY: fd is a freshly created descriptor owned by nobody else.
         let file = unsafe { File::from_raw_fd(fd) };
-        Self::size_and_map(&file, len, label, prefault)
+        Self::size_and_map(file, len, label, prefault)
     }
 
     /// Creates `len` bytes of process-private anonymous memory (not shareable with other
@@ -126,7 +137,10 @@ impl ShmRegion {
             opts.populate();
         }
         let map = MmapRaw::from(opts.map_anon().map_err(|e| StoreError::io("mmap", &label, e))?);
+        // Private anonymous memory has no file to shrink: nothing to guard.
         let region = Self {
+            guard: None,
+            file: None,
             map,
             len,
             name: label,
@@ -167,12 +181,12 @@ impl ShmRegion {
                 actual_bytes: actual,
             });
         }
-        let mut region = Self::map(&file, expected_len, path.display().to_string(), prefault)?;
+        let mut region = Self::map(file, expected_len, path.display().to_string(), prefault)?;
         region.path = Some(path.to_owned());
         Ok(region)
     }
 
-    fn size_and_map(file: &File, len: usize, name: String, prefault: Prefault) -> Result<Self, StoreError> {
+    fn size_and_map(file: File, len: usize, name: String, prefault: Prefault) -> Result<Self, StoreError> {
         if len == 0 {
             return Err(StoreError::OutOfBounds {
                 region: name,
@@ -190,14 +204,18 @@ impl ShmRegion {
         Ok(region)
     }
 
-    fn map(file: &File, len: usize, name: String, prefault: Prefault) -> Result<Self, StoreError> {
+    fn map(file: File, len: usize, name: String, prefault: Prefault) -> Result<Self, StoreError> {
         let mut opts = MmapOptions::new();
         opts.len(len);
         if prefault != Prefault::Lazy {
             opts.populate();
         }
-        let map = opts.map_raw(file).map_err(|e| StoreError::io("mmap", &name, e))?;
+        let map = opts
+            .map_raw(&file)
+            .map_err(|e| StoreError::io("mmap", &name, e))?;
         Ok(Self {
+            guard: FaultGuard::register(map.as_mut_ptr(), len, &name),
+            file: Some(file),
             map,
             len,
             name,
@@ -270,7 +288,7 @@ impl ShmRegion {
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(offset), src.len());
         }
-        Ok(())
+        self.check_fault()
     }
 
     /// Copies bytes at `offset` out into `dst`.
@@ -284,7 +302,7 @@ impl ShmRegion {
         unsafe {
             std::ptr::copy_nonoverlapping(self.map.as_ptr().add(offset), dst.as_mut_ptr(), dst.len());
         }
-        Ok(())
+        self.check_fault()
     }
 
     /// Copies `src` into the range `(offset, len)`, which it must fill exactly (one
@@ -314,7 +332,7 @@ impl ShmRegion {
         self.check_range(offset, len)?;
         // SAFETY: the range is inside the mapping (checked above).
         unsafe { std::ptr::write_bytes(self.map.as_mut_ptr().add(offset), byte, len) };
-        Ok(())
+        self.check_fault()
     }
 
     /// Runs `f` over a read-only view of `len` bytes at `offset` (hashing, verification). The
@@ -333,7 +351,9 @@ impl ShmRegion {
         // borrow, which does not escape `f`. Concurrent writers are excluded by the caller's
         // protocol (documented above).
         let view = unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(offset), len) };
-        Ok(f(view))
+        let r = f(view);
+        self.check_fault()?;
+        Ok(r)
     }
 
     /// `xxh3_64` of `len` bytes at `offset`, for bit-exact verification without a copy.
@@ -373,7 +393,11 @@ impl ShmRegion {
                 len,
                 |iov, at| libc::pwritev(file.as_raw_fd(), iov.as_ptr(), 2, at),
             )
-        }
+        }?;
+        // The kernel reads a truncated mapping as EFAULT; one remapped after a fault reads as
+        // junk, which must not count as written.
+        self.check_fault()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
     }
 
     /// Reads `head.len()` bytes into `head` then `len` bytes into this region at `offset`, from
@@ -404,7 +428,9 @@ impl ShmRegion {
                 len,
                 |iov, at| libc::preadv(file.as_raw_fd(), iov.as_ptr(), 2, at),
             )
-        }
+        }?;
+        self.check_fault()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
     }
 
     /// Copies `len` bytes from `src` at `src_offset` to `dst` at `dst_offset`: the one copy every
@@ -440,6 +466,63 @@ impl ShmRegion {
                 dst.map.as_mut_ptr().add(dst_offset),
                 len,
             );
+        }
+        src.check_fault()?;
+        dst.check_fault()
+    }
+
+    /// Whether an access found the region's file shorter than the mapping (a caught bus
+    /// error). Once true, it stays true: the region's bytes are anonymous junk.
+    pub fn faulted(&self) -> bool {
+        self.guard.as_ref().is_some_and(FaultGuard::faulted)
+    }
+
+    fn check_fault(&self) -> Result<(), StoreError> {
+        if self.faulted() {
+            return Err(self.unusable("its file shrank under the mapping (a bus error was caught)"));
+        }
+        Ok(())
+    }
+
+    fn unusable(&self, reason: impl Into<String>) -> StoreError {
+        StoreError::RegionUnusable {
+            region: self.name.clone(),
+            reason: reason.into(),
+        }
+    }
+
+    /// Checks that the memory behind the region is still what was mapped: no caught fault, the
+    /// file at least as long as the mapping, and (for a region opened by path) the path still
+    /// naming the same file. The sidecar calls it before each request on memory another process
+    /// owns, so a pool whose file was truncated, replaced or unlinked fails with a clear error
+    /// instead of copying into memory the engine no longer sees.
+    ///
+    /// Cost: an `fstat`, and a `stat` of the path.
+    ///
+    /// # Errors
+    /// [`StoreError::RegionUnusable`] saying what changed.
+    pub fn check_backing(&self) -> Result<(), StoreError> {
+        self.check_fault()?;
+        let Some(file) = &self.file else { return Ok(()) };
+        let mapped = file
+            .metadata()
+            .map_err(|e| StoreError::io("fstat", self.name.clone(), e))?;
+        if mapped.len() < self.len as u64 {
+            return Err(self.unusable(format!(
+                "its file shrank to {} of the {} mapped bytes",
+                mapped.len(),
+                self.len
+            )));
+        }
+        if let Some(path) = &self.path {
+            match std::fs::metadata(path) {
+                Ok(now) if (now.dev(), now.ino()) == (mapped.dev(), mapped.ino()) => {}
+                Ok(_) => return Err(self.unusable("its path now names another file (replaced)")),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    return Err(self.unusable("its file was unlinked"));
+                }
+                Err(e) => return Err(StoreError::io("stat", path, e)),
+            }
         }
         Ok(())
     }
@@ -568,5 +651,78 @@ mod tests {
         drop(b);
         drop(a);
         assert!(!path.exists(), "the creator removes its file");
+    }
+
+    fn unusable(e: StoreError, what: &str) {
+        assert!(
+            matches!(&e, StoreError::RegionUnusable { reason, .. } if reason.contains(what)),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_file_truncated_under_the_mapping_is_an_error_not_a_crash() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool");
+        let len = 64 << 10;
+        let owner = ShmRegion::create_file(&path, len, Prefault::Touch).unwrap();
+        let mapped = ShmRegion::open_file(&path, len, Prefault::Populate).unwrap();
+        let other = ShmRegion::create_anonymous("other", len, Prefault::Touch).unwrap();
+        other.fill(0, len, 0x5a).unwrap();
+        mapped.write(0, &[1u8; 4096]).unwrap();
+        mapped.check_backing().unwrap();
+        // The owner shrinks its file to one page: every page past it now raises SIGBUS.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        unusable(mapped.check_backing().unwrap_err(), "shrank to 4096");
+        // A copy that touches the lost pages faults; the fault is caught and reported.
+        unusable(
+            ShmRegion::copy(&other, 0, &mapped, 0, len).unwrap_err(),
+            "bus error",
+        );
+        assert!(mapped.faulted());
+        // From then on every access fails, reads and writes alike, and stays failed.
+        let mut buf = [0u8; 16];
+        unusable(mapped.read(0, &mut buf).unwrap_err(), "bus error");
+        unusable(mapped.write(0, &buf).unwrap_err(), "bus error");
+        unusable(mapped.xxh3_64(0, 16).unwrap_err(), "bus error");
+        unusable(
+            ShmRegion::copy(&mapped, 0, &other, 0, 16).unwrap_err(),
+            "bus error",
+        );
+        // Other regions, and the other mapping of the same file, are not affected.
+        assert!(!other.faulted() && !owner.faulted());
+        assert_eq!(
+            other.xxh3_64(0, len).unwrap(),
+            kvtier_core::xxh3_64(&vec![0x5a; len])
+        );
+        // The copy reached the page still in the file before it faulted.
+        owner.read(0, &mut buf).unwrap();
+        assert_eq!(buf, [0x5a; 16]);
+        // A fault in a region that was faulted and dropped is not blamed on the next one.
+        drop(mapped);
+        let fresh = ShmRegion::create_anonymous("fresh", len, Prefault::Touch).unwrap();
+        assert!(!fresh.faulted());
+    }
+
+    #[test]
+    fn a_replaced_or_unlinked_file_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool");
+        let mut owner = ShmRegion::create_file(&path, 8192, Prefault::Touch).unwrap();
+        owner.keep_file();
+        let mapped = ShmRegion::open_file(&path, 8192, Prefault::Populate).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        unusable(mapped.check_backing().unwrap_err(), "unlinked");
+        // The same path, the same size, another file.
+        let _new = ShmRegion::create_file(&path, 8192, Prefault::Touch).unwrap();
+        unusable(mapped.check_backing().unwrap_err(), "replaced");
+        // The bytes themselves are still mapped: only the identity check refuses them.
+        assert!(!mapped.faulted());
+        mapped.write(0, b"x").unwrap();
     }
 }

@@ -45,6 +45,13 @@ pub trait DevicePool: Send + Sync + fmt::Debug {
         host_offset: usize,
     ) -> Result<(), TransferError>;
 
+    /// Checks that the pool's memory is still the memory that was registered (its owner may
+    /// have truncated, replaced or freed it). Called before every request on the pool.
+    ///
+    /// # Errors
+    /// [`TransferError::PoolUnusable`] saying what changed.
+    fn check_usable(&self) -> Result<(), TransferError>;
+
     /// Checks that `slot` exists.
     ///
     /// # Errors
@@ -164,6 +171,17 @@ impl CpuDevicePool {
         Ok(Self::from_region(region, geometry, num_slots))
     }
 
+    /// A fault or change of this pool's own memory is the pool's error (the engine's to fix);
+    /// anything else (the host page's region) stays what it is.
+    fn copy_error(&self, e: StoreError) -> TransferError {
+        match e {
+            StoreError::RegionUnusable { region, reason } if region == self.region.name() => {
+                TransferError::PoolUnusable { pool: region, reason }
+            }
+            e => e.into(),
+        }
+    }
+
     fn from_region(region: ShmRegion, geometry: KvGeometry, num_slots: u32) -> Self {
         Self {
             layer_stride: num_slots as usize * geometry.bytes_per_block_layer(),
@@ -255,7 +273,7 @@ impl DevicePool for CpuDevicePool {
         host_offset: usize,
     ) -> Result<(), TransferError> {
         let (off, len) = self.slot_layer_range(slot, layer)?;
-        Ok(ShmRegion::copy(host, host_offset, &self.region, off, len)?)
+        ShmRegion::copy(host, host_offset, &self.region, off, len).map_err(|e| self.copy_error(e))
     }
     fn copy_out(
         &self,
@@ -265,7 +283,10 @@ impl DevicePool for CpuDevicePool {
         host_offset: usize,
     ) -> Result<(), TransferError> {
         let (off, len) = self.slot_layer_range(slot, layer)?;
-        Ok(ShmRegion::copy(&self.region, off, host, host_offset, len)?)
+        ShmRegion::copy(&self.region, off, host, host_offset, len).map_err(|e| self.copy_error(e))
+    }
+    fn check_usable(&self) -> Result<(), TransferError> {
+        self.region.check_backing().map_err(|e| self.copy_error(e))
     }
 }
 

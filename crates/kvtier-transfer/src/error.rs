@@ -55,6 +55,15 @@ pub enum TransferError {
         /// Slots in the header.
         actual: u32,
     },
+    /// A device pool whose memory is no longer the one registered: its owner truncated,
+    /// replaced or unlinked it. Every request on it fails; other pools are not affected.
+    #[error("device pool {pool} is no longer usable: {reason}; unregister it and register a new pool")]
+    PoolUnusable {
+        /// The pool (its file, or memfd name).
+        pool: String,
+        /// What changed.
+        reason: String,
+    },
     /// A pool of zero slots.
     #[error("a device pool needs at least one slot")]
     NoSlots,
