@@ -1,5 +1,6 @@
 //! Real faults against the disk tier, in real processes: a writer killed with SIGKILL in the
-//! middle of storing, and a file system that runs out of room.
+//! middle of storing, a file system smaller than the tier's capacity, and one that fills up and
+//! is freed again.
 
 use std::ffi::CString;
 use std::io::{BufRead, BufReader};
@@ -55,31 +56,68 @@ fn kv(key: BlockKey) -> Vec<u8> {
 /// A writer process: stores batch after batch through the real queues with the `all` write
 /// policy and prints `KVTIER-STORED b` once batch b is on disk.
 fn writer(dir: &Path, batches: usize) {
-    let host = HostTier::new(
-        geo(),
-        &HostTierConfig {
-            capacity: ByteSize::mib(4),
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let disk = DiskTier::open(geo(), &disk_cfg(dir)).map(|(d, _)| d);
-    let disk = match disk {
-        Ok(d) => d,
-        Err(e) => {
-            println!("\nKVTIER-OPEN-FAILED {e}");
-            return;
-        }
-    };
-    let store = TieredStore::new(host, Some(disk.clone()), WritePolicy::All, 2);
-    let cpu = Arc::new(CpuDevicePool::create(None, geo(), BATCH as u32).unwrap());
-    let pool: Arc<dyn DevicePool> = cpu.clone();
-    let queues = TransferQueues::new(&TransferConfig::default()).unwrap();
+    let Some(w) = Writer::open(dir) else { return };
     let (mut ok, mut failed, mut first_error) = (0usize, 0usize, String::new());
     for b in 0..batches {
+        let (written, errors) = w.store_batch(b);
+        ok += written;
+        failed += errors.len();
+        if first_error.is_empty()
+            && let Some(e) = errors.first()
+        {
+            first_error = e.clone();
+        }
+        println!("\nKVTIER-STORED {b}");
+    }
+    let s = w.disk.stats();
+    println!(
+        "\nKVTIER-DONE ok={ok} failed={failed} no_space={} reclaimed={} entries={} error={first_error}",
+        s.dropped_writes_no_space_total, s.reclaimed_regions_total, s.entries
+    );
+}
+
+/// The tiers and queues of a writer process.
+struct Writer {
+    disk: DiskTier,
+    store: TieredStore,
+    cpu: Arc<CpuDevicePool>,
+    pool: Arc<dyn DevicePool>,
+    queues: TransferQueues,
+}
+
+impl Writer {
+    fn open(dir: &Path) -> Option<Writer> {
+        let host = HostTier::new(
+            geo(),
+            &HostTierConfig {
+                capacity: ByteSize::mib(4),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let disk = match DiskTier::open(geo(), &disk_cfg(dir)) {
+            Ok((d, _)) => d,
+            Err(e) => {
+                println!("\nKVTIER-OPEN-FAILED {e}");
+                return None;
+            }
+        };
+        let cpu = Arc::new(CpuDevicePool::create(None, geo(), BATCH as u32).unwrap());
+        Some(Writer {
+            store: TieredStore::new(host, Some(disk.clone()), WritePolicy::All, 2),
+            disk,
+            pool: cpu.clone(),
+            cpu,
+            queues: TransferQueues::new(&TransferConfig::default()).unwrap(),
+        })
+    }
+
+    /// Stores batch `b` and waits for its disk writes: blocks written, and the errors of those
+    /// that were not.
+    fn store_batch(&self, b: usize) -> (usize, Vec<String>) {
         let keys = batch_keys(b);
         for (i, &k) in keys.iter().enumerate() {
-            cpu.write_slot_layer(i as u32, 0, &kv(k)).unwrap();
+            self.cpu.write_slot_layer(i as u32, 0, &kv(k)).unwrap();
         }
         let blocks: Vec<StoreBlock> = keys
             .iter()
@@ -90,25 +128,81 @@ fn writer(dir: &Path, batches: usize) {
                 slot: i as u32,
             })
             .collect();
-        let (_, persisted) = queues
+        let (_, persisted) = self
+            .queues
             .store
-            .submit(&pool, &store, NS, &blocks)
+            .submit(&self.pool, &self.store, NS, &blocks)
             .unwrap()
             .wait_persisted()
             .unwrap();
-        ok += persisted.written_blocks;
-        failed += persisted.failed.len();
-        if first_error.is_empty()
-            && let Some((_, e)) = persisted.failed.first()
-        {
-            first_error = e.clone();
-        }
-        println!("\nKVTIER-STORED {b}");
+        let errors = persisted.failed.into_iter().map(|(_, e)| e).collect();
+        (persisted.written_blocks, errors)
     }
-    let s = disk.stats();
+}
+
+/// Fills `dir`'s file system to the last byte with one file.
+fn fill(path: &Path) {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).unwrap();
+    let chunk = vec![0xffu8; 64 << 10];
+    let mut left = chunk.as_slice();
+    loop {
+        match f.write(left) {
+            Ok(0) => break,
+            Ok(n) if n == left.len() => left = chunk.as_slice(),
+            Ok(n) => left = &left[n..],
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => break,
+            Err(e) => panic!("filling {}: {e}", path.display()),
+        }
+    }
+}
+
+/// A writer on a file system that another file filled: its writes fail as disk full; once the
+/// file is removed they resume, without a restart.
+fn refill(dir: &Path) {
+    let Some(w) = Writer::open(dir) else { return };
+    let filler = dir.join("filler");
+    fill(&filler);
+    let (mut written, mut errors) = (0, Vec::new());
+    for b in 0..4 {
+        let (n, e) = w.store_batch(b);
+        written += n;
+        errors.extend(e);
+    }
     println!(
-        "\nKVTIER-DONE ok={ok} failed={failed} no_space={} error={first_error}",
-        s.dropped_writes_no_space_total
+        "\nKVTIER-FULL written={written} failed={} no_space={} error={}",
+        errors.len(),
+        w.disk.stats().dropped_writes_no_space_total,
+        errors.first().cloned().unwrap_or_default()
+    );
+    std::fs::remove_file(&filler).unwrap();
+    // The tier retries on its own a moment later: keep storing until a batch reaches disk.
+    let start = std::time::Instant::now();
+    let mut b = 4;
+    let resumed = loop {
+        let (n, _) = w.store_batch(b);
+        if n == BATCH {
+            break Some(b);
+        }
+        if start.elapsed() > std::time::Duration::from_secs(20) {
+            break None;
+        }
+        b += 1;
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let Some(resumed) = resumed else {
+        println!("\nKVTIER-NEVER-RESUMED");
+        return;
+    };
+    drop(w);
+    let (disk, report) = DiskTier::open(geo(), &disk_cfg(dir)).unwrap();
+    let loaded = batch_keys(resumed)
+        .into_iter()
+        .filter(|&k| read_back(&disk, k).is_ok_and(|got| got == kv(k)))
+        .count();
+    println!(
+        "\nKVTIER-RESUMED batch={resumed} loaded={loaded} entries={}",
+        report.entries
     );
 }
 
@@ -121,6 +215,7 @@ fn disk_child() {
     };
     match role.as_str() {
         "forever" => writer(Path::new(&dir), usize::MAX),
+        "refill" => refill(Path::new(&dir)),
         "full" => {
             writer(Path::new(&dir), 40);
             // The small file system lives in this process's mount namespace: check what was
@@ -298,36 +393,71 @@ fn a_writer_killed_mid_store_loses_nothing_it_reported_and_serves_nothing_partia
     assert_eq!(read_back(&disk, k).unwrap(), kv(k));
 }
 
-#[test]
-fn a_full_file_system_fails_stores_clearly_and_loads_keep_working() {
+/// Runs a child with `role` on a fresh 7 MiB file system (three 2 MiB regions fit, the fourth
+/// does not) and returns its marker lines.
+fn on_small_fs(role: &str) -> Vec<String> {
     let dir = tempfile::tempdir().unwrap();
-    // A 7 MiB file system: three 2 MiB regions fit, the fourth cannot be allocated.
-    let mut child = spawn("full", dir.path(), Some(7 << 20));
+    let mut child = spawn(role, dir.path(), Some(7 << 20));
     // Read to the end, so the child never writes into a closed pipe.
     let lines: Vec<String> = marker_lines(&mut child).collect();
     assert!(child.wait().unwrap().success(), "{lines:?}");
-    let find = |prefix: &str| {
-        lines
-            .iter()
-            .find_map(|l| l.strip_prefix(prefix).map(str::to_owned))
-            .unwrap_or_else(|| panic!("no {prefix} line in {lines:?}"))
-    };
-    let field = |line: &str, name: &str| -> String {
-        let start = line.find(&format!("{name}=")).unwrap() + name.len() + 1;
-        line[start..].split(' ').next().unwrap().to_owned()
-    };
-    let done = find("DONE ");
-    let ok: usize = field(&done, "ok").parse().unwrap();
-    let failed: usize = field(&done, "failed").parse().unwrap();
-    let no_space: u64 = field(&done, "no_space").parse().unwrap();
-    assert!(ok > 0 && failed > 0, "{done}");
+    lines
+}
+
+fn find(lines: &[String], prefix: &str) -> String {
+    lines
+        .iter()
+        .find_map(|l| l.strip_prefix(prefix).map(str::to_owned))
+        .unwrap_or_else(|| panic!("no {prefix} line in {lines:?}"))
+}
+
+fn field<T: std::str::FromStr>(line: &str, name: &str) -> T
+where
+    T::Err: std::fmt::Debug,
+{
+    let start = line.find(&format!("{name}=")).unwrap() + name.len() + 1;
+    line[start..].split(' ').next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_file_system_smaller_than_the_capacity_is_pressure_and_what_is_kept_loads() {
+    // 40 batches of 512 KiB against a 1 GiB capacity on a 7 MiB file system.
+    let lines = on_small_fs("full");
+    let done = find(&lines, "DONE ");
+    let ok: usize = field(&done, "ok");
+    let failed: usize = field(&done, "failed");
+    let reclaimed: u64 = field(&done, "reclaimed");
+    let entries: usize = field(&done, "entries");
+    // The full file system made the tier give back its oldest regions instead of failing.
     assert_eq!(ok + failed, 40 * BATCH, "{done}");
-    assert!(no_space > 0, "{done}");
-    assert!(done.contains("disk full"), "clear error: {done}");
-    // What was written loads, bit-exact (checked by the child, where the file system is).
-    let verified = find("VERIFIED ");
-    assert_eq!(field(&verified, "loaded"), ok.to_string(), "{verified}");
-    assert_eq!(field(&verified, "entries"), ok.to_string(), "{verified}");
+    assert!(
+        ok > 30 * BATCH,
+        "writes went on past the full file system: {done}"
+    );
+    assert!(reclaimed > 0, "{done}");
+    assert!(entries > 0 && entries < ok, "{done}");
+    // What the tier kept loads, bit-exact (checked by the child, where the file system is).
+    let verified = find(&lines, "VERIFIED ");
+    assert_eq!(field::<usize>(&verified, "loaded"), entries, "{verified}");
+    assert_eq!(field::<usize>(&verified, "entries"), entries, "{verified}");
+}
+
+#[test]
+fn a_full_file_system_fails_writes_clearly_and_they_resume_when_space_is_back() {
+    let lines = on_small_fs("refill");
+    let full = find(&lines, "FULL ");
+    // Filled by another file, with nothing of its own to give back: writes fail, counted.
+    assert_eq!(field::<usize>(&full, "written"), 0, "{full}");
+    assert_eq!(field::<usize>(&full, "failed"), 4 * BATCH, "{full}");
+    assert!(field::<u64>(&full, "no_space") >= 4 * BATCH as u64, "{full}");
+    assert!(full.contains("disk full"), "clear error: {full}");
+    // The file is removed: the same tier, not restarted, writes again, and it sticks.
+    assert!(
+        !lines.iter().any(|l| l == "NEVER-RESUMED"),
+        "writes never resumed: {lines:?}"
+    );
+    let resumed = find(&lines, "RESUMED ");
+    assert_eq!(field::<usize>(&resumed, "loaded"), BATCH, "{resumed}");
 }
 
 #[test]

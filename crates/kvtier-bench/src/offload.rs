@@ -298,6 +298,7 @@ impl Bench {
                     region_size: region,
                     direct_io: config.direct_io,
                     create_dir: false,
+                    ..DiskTierConfig::default()
                 };
                 (Some(ScratchDir(dir)), Some(disk))
             }

@@ -105,6 +105,7 @@ pub fn run_recovery(
         region_size: config.region_size,
         direct_io: config.direct_io,
         create_dir: true,
+        ..DiskTierConfig::default()
     };
     let blocks = (config.bytes.bytes() / g.bytes_per_block() as u64).max(1);
     let ns = Namespace::single("kvtier-bench/recovery", g)?.fingerprint();

@@ -8,7 +8,7 @@
 //! restart reads one small file per region instead of every header.
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
@@ -29,6 +29,9 @@ use crate::disk_format::{
 use crate::key_hasher::KeyHasherBuilder;
 use crate::shm_region::ShmRegion;
 use crate::{PAGE_ALIGN, StoreError};
+
+mod space;
+mod syncer;
 
 /// Whether the disk tier bypasses the page cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -71,6 +74,11 @@ pub struct DiskTierConfig {
     /// Create the directory if it is missing (default `false`: a missing directory is an error,
     /// which catches a mistyped path or an unmounted disk).
     pub create_dir: bool,
+    /// `fdatasync` the region files written to every this many milliseconds (default `1000`,
+    /// like Redis's `appendfsync everysec`): a power cut then loses at most the last interval's
+    /// blocks (as misses: torn entries fail their checksum). `0` syncs only when a region is
+    /// sealed and at shutdown, leaving the rest to the OS's write-back.
+    pub fsync_interval_ms: u64,
 }
 
 impl Default for DiskTierConfig {
@@ -81,6 +89,7 @@ impl Default for DiskTierConfig {
             region_size: ByteSize::mib(256),
             direct_io: DirectIo::Auto,
             create_dir: false,
+            fsync_interval_ms: 1000,
         }
     }
 }
@@ -202,6 +211,8 @@ struct Active {
     region: Option<Arc<Region>>,
     next_slot: u32,
     next_id: u64,
+    /// Whether the file system is being treated as full.
+    full: space::FullState,
 }
 
 #[derive(Debug)]
@@ -219,6 +230,8 @@ struct Inner {
     active: Mutex<Active>,
     seq: AtomicU64,
     cleared: Mutex<HashMap<NamespaceFingerprint, u64>>,
+    /// Regions written since the last periodic fsync.
+    dirty: Mutex<BTreeSet<u64>>,
     counters: Counters,
 }
 
@@ -315,14 +328,17 @@ impl DiskTier {
                 region: None,
                 next_slot: 0,
                 next_id: 1,
+                full: space::FullState::default(),
             }),
             seq: AtomicU64::new(0),
             cleared: Mutex::new(read_cleared(&dir)),
+            dirty: Mutex::new(BTreeSet::new()),
             counters: Counters::default(),
         };
         let mut report = inner.recover()?;
         report.elapsed = started.elapsed();
         inner.counters.recovered.store(report.entries, Ordering::Relaxed);
+        inner.check_space(config.capacity.bytes(), region_bytes);
         tracing::info!(
             dir = %dir.display(),
             direct_io = direct,
@@ -333,12 +349,15 @@ impl DiskTier {
             elapsed_ms = report.elapsed.as_millis() as u64,
             "disk tier ready"
         );
-        Ok((
-            Self {
-                inner: Arc::new(inner),
-            },
-            report,
-        ))
+        let inner = Arc::new(inner);
+        if config.fsync_interval_ms > 0 {
+            syncer::spawn(
+                Arc::downgrade(&inner),
+                Duration::from_millis(config.fsync_interval_ms),
+            )
+            .map_err(|e| StoreError::io("spawn fsync thread", &dir, e))?;
+        }
+        Ok((Self { inner }, report))
     }
 
     /// The geometry of every block in this tier.
@@ -409,6 +428,9 @@ impl DiskTier {
             Err(e) => {
                 inner.finish_slot(&region, None);
                 let err = if is_full(&e) {
+                    // A file system without preallocation filled under a sparse region.
+                    let mut a = lock_poisoned(inner.active.lock());
+                    inner.note_full(&mut a.full, &region.path);
                     StoreError::DiskFull {
                         path: region.path.clone(),
                         source: e,
@@ -421,6 +443,7 @@ impl DiskTier {
             }
         };
         inner.finish_slot(&region, record);
+        lock_poisoned(inner.dirty.lock()).insert(region.id);
         // Publish only if the region was not reclaimed meanwhile.
         if lock_poisoned(inner.regions.read()).contains_key(&region.id) {
             let loc = Loc {
@@ -604,6 +627,38 @@ impl DiskTier {
 }
 
 impl Inner {
+    /// Warns when `dir`'s file system cannot hold `capacity_bytes` next to the regions the
+    /// tier already has: the tier then holds what fits (see [`space`]); it does not refuse to
+    /// start, since the space may be freed later.
+    fn check_space(&self, capacity_bytes: u64, region_bytes: u64) {
+        let held_bytes = lock_poisoned(self.regions.read()).len() as u64 * region_bytes;
+        match space::available_bytes(&self.dir) {
+            Ok(available_bytes) if held_bytes + available_bytes < capacity_bytes => tracing::warn!(
+                dir = %self.dir.display(),
+                capacity_bytes,
+                held_bytes,
+                available_bytes,
+                "disk.capacity is more than the file system can hold: the tier keeps what fits and gives back its oldest regions when the file system is full"
+            ),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot read the disk tier's free space")
+            }
+        }
+    }
+
+    /// Starts (or extends) a full spell: writes are refused for a while, logged once per spell.
+    fn note_full(&self, full: &mut space::FullState, path: &Path) {
+        if full.found_full(Instant::now()) {
+            tracing::warn!(
+                path = %path.display(),
+                available_bytes = space::available_bytes(&self.dir).unwrap_or(0),
+                retry_ms = space::FULL_RETRY.as_millis() as u64,
+                "disk tier file system full: writes are dropped (counted as no_space) and retried"
+            );
+        }
+    }
+
     fn count_write_error(&self, e: &StoreError) {
         let c = match e {
             StoreError::DiskFull { .. } => &self.counters.no_space,
@@ -643,6 +698,13 @@ impl Inner {
             a.next_slot += 1;
             return Ok((r, slot));
         }
+        let now = Instant::now();
+        if !a.full.may_try(now) {
+            return Err(StoreError::DiskFull {
+                path: self.dir.clone(),
+                source: io::Error::from_raw_os_error(libc::ENOSPC),
+            });
+        }
         let id = a.next_id;
         loop {
             let oldest = {
@@ -657,7 +719,30 @@ impl Inner {
                 None => break,
             }
         }
-        let region = Arc::new(self.create_region(id)?);
+        let created = match self.create_region(id) {
+            // The file system holds less than the capacity: one region out, one in, so the tier
+            // keeps to what fits.
+            Err(StoreError::DiskFull { .. }) if self.reclaim_oldest() => self.create_region(id),
+            r => r,
+        };
+        let region = match created {
+            Ok(r) => {
+                if let Some(spell) = a.full.found_room(now) {
+                    tracing::info!(
+                        dir = %self.dir.display(),
+                        full_ms = spell.as_millis() as u64,
+                        "disk tier writes resumed"
+                    );
+                }
+                Arc::new(r)
+            }
+            Err(e) => {
+                if let StoreError::DiskFull { path, .. } = &e {
+                    self.note_full(&mut a.full, path);
+                }
+                return Err(e);
+            }
+        };
         lock_poisoned(self.regions.write()).insert(id, Arc::clone(&region));
         a.next_id = id + 1;
         a.region = Some(Arc::clone(&region));
@@ -667,11 +752,21 @@ impl Inner {
 
     fn create_region(&self, id: u64) -> Result<Region, StoreError> {
         let path = region_path(&self.dir, id);
+        let full_or = |e: io::Error, op| {
+            if is_full(&e) {
+                StoreError::DiskFull {
+                    path: path.clone(),
+                    source: e,
+                }
+            } else {
+                StoreError::io(op, &path, e)
+            }
+        };
         let file = self
             .open_options()
             .create_new(true)
             .open(&path)
-            .map_err(|e| StoreError::io("create", &path, e))?;
+            .map_err(|e| full_or(e, "create"))?;
         let len = HEADER_BYTES as u64 + u64::from(self.slots_per_region) * self.entry_stride;
         let fail = |e: io::Error, op| {
             let _ = std::fs::remove_file(&path);
@@ -743,6 +838,12 @@ impl Inner {
             std::fs::rename(&tmp, &path)
         };
         write().map_err(|e| StoreError::io("write index", &path, e))
+    }
+
+    /// Reclaims the oldest region; whether there was one.
+    fn reclaim_oldest(&self) -> bool {
+        let oldest = lock_poisoned(self.regions.read()).keys().next().copied();
+        oldest.inspect(|&id| self.reclaim(id)).is_some()
     }
 
     /// Drops region `id`: its entries leave the index, its files are deleted (readers that
