@@ -370,6 +370,12 @@ async fn an_expired_deadline_cancels_the_load_and_releases_its_pins() {
     assert_eq!(code(err), Code::DeadlineExceeded);
     sidecar.state.queues.load.wait_idle();
     assert_eq!(e.client.stats().await.unwrap().pinned_blocks, 0);
+    let q = sidecar.state.queues.load.stats();
+    assert_eq!(
+        (q.submitted_total, q.cancelled_total, q.completed_total),
+        (1, 1, 0),
+        "a load past its deadline counts as cancelled: {q:?}"
+    );
     drop(e);
     sidecar.stop().await;
 }

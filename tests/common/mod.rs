@@ -84,3 +84,62 @@ pub fn kv(key: BlockKey, layer: u32, len: usize) -> Vec<u8> {
         })
         .collect()
 }
+
+/// `kvtier serve` as a real process on a socket in `dir`, for `geometry()`, killed on drop.
+pub struct ServeProcess {
+    pub child: std::process::Child,
+    pub socket: PathBuf,
+    pub target: String,
+}
+
+impl ServeProcess {
+    /// Starts the sidecar with `args` added and returns once it says it is serving.
+    pub fn start(dir: &std::path::Path, args: &[&str]) -> ServeProcess {
+        use std::io::BufRead;
+        let g = geometry();
+        let socket = dir.join("kvtier.sock");
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .args(["serve", "--socket"])
+            .arg(&socket)
+            .args(["--set", &format!("model.layers={}", g.layers())])
+            .args(["--set", &format!("model.kv_heads={}", g.kv_heads())])
+            .args(["--set", &format!("model.head_dim={}", g.head_dim())])
+            .args(["--set", &format!("model.block_tokens={}", g.block_tokens())])
+            .args(args)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+        loop {
+            let line = lines.next().expect("the server exited before serving").unwrap();
+            if line.contains("kvtier: serving") {
+                break;
+            }
+        }
+        std::thread::spawn(move || for _ in lines {});
+        ServeProcess {
+            child,
+            target: format!("unix://{}", socket.display()),
+            socket,
+        }
+    }
+
+    /// SIGTERM, then the exit status.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        // SAFETY: sending a signal to our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        self.child.wait().unwrap()
+    }
+
+    /// Whether the process is still running.
+    pub fn alive(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

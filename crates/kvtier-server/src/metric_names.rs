@@ -17,6 +17,11 @@ pub const TRANSFER_SECONDS: &str = "kvtier_transfer_seconds";
 pub const QUEUE_DEPTH: &str = "kvtier_queue_depth";
 /// Bytes admitted and not yet finished, by `queue`.
 pub const QUEUE_INFLIGHT_BYTES: &str = "kvtier_queue_inflight_bytes";
+/// Transfer requests that ended, by `queue` and `outcome` (completed, cancelled: the requester
+/// went away or its deadline passed, failed).
+pub const TRANSFER_REQUESTS: &str = "kvtier_transfer_requests_total";
+/// Blocks acknowledged to engines whose disk write (under the write policy) has not finished.
+pub const DISK_PENDING_WRITES: &str = "kvtier_disk_pending_write_blocks";
 /// Bytes of blocks held, by `tier` (host, disk).
 pub const TIER_USED_BYTES: &str = "kvtier_tier_used_bytes";
 /// Bytes a tier may hold, by `tier`.
@@ -53,6 +58,8 @@ pub const ALL: &[&str] = &[
     TRANSFER_SECONDS,
     QUEUE_DEPTH,
     QUEUE_INFLIGHT_BYTES,
+    TRANSFER_REQUESTS,
+    DISK_PENDING_WRITES,
     TIER_USED_BYTES,
     TIER_CAPACITY_BYTES,
     TIER_BLOCKS,
@@ -86,6 +93,8 @@ pub fn describe() {
         Unit::Bytes,
         "Bytes admitted and not finished, by queue"
     );
+    describe_counter!(TRANSFER_REQUESTS, "Transfer requests that ended, by queue and outcome");
+    describe_gauge!(DISK_PENDING_WRITES, "Acknowledged blocks waiting for their disk write");
     describe_gauge!(TIER_USED_BYTES, Unit::Bytes, "Bytes of blocks held, by tier");
     describe_gauge!(TIER_CAPACITY_BYTES, Unit::Bytes, "Bytes a tier may hold");
     describe_gauge!(TIER_BLOCKS, "Blocks held, by tier");

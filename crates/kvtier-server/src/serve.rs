@@ -32,10 +32,12 @@ pub struct ServeInfo {
     pub state: Arc<ServerState>,
 }
 
-/// Runs the sidecar until `shutdown` resolves, then stops accepting, ends sessions (releasing
-/// their pins), lets in-flight requests finish (up to `server.shutdown_grace_ms`) and flushes
-/// the disk tier. `ready` receives the listeners once the host arena is populated and the
-/// sockets accept requests.
+/// Runs the sidecar until `shutdown` resolves, then stops accepting, lets in-flight requests
+/// finish (up to `server.shutdown_grace_ms`), ends sessions (releasing their pins), lets the
+/// disk writes of acknowledged stores finish (up to `server.shutdown_grace_ms` more; blocks
+/// still waiting then are logged with their count) and flushes the disk tier to stable storage.
+/// `ready` receives the listeners once the host arena is populated and the sockets accept
+/// requests.
 ///
 /// # Errors
 /// Configuration, tier, listener and exporter errors at start.
@@ -176,14 +178,31 @@ pub async fn serve(
         );
     }
     state.close_all_sessions();
-    state.queues.load.wait_idle();
+    let drain = Arc::clone(&state);
+    let drained = tokio::task::spawn_blocking(move || {
+        drain.queues.load.wait_idle();
+        // A store is acknowledged once its blocks are in host memory; under the write policy
+        // their disk writes are still queued. They finish before the process goes.
+        let deadline = std::time::Instant::now() + grace;
+        let idle = drain.queues.store.wait_idle_until(deadline);
+        (idle, drain.queues.store.stats().pending_disk_blocks)
+    })
+    .await;
+    match drained {
+        Ok((true, _)) => {}
+        Ok((false, pending)) => tracing::warn!(
+            pending_disk_blocks = pending,
+            grace_ms = grace.as_millis() as u64,
+            "disk writes still pending at the end of the grace period; those blocks are not on disk"
+        ),
+        Err(e) => tracing::warn!(error = %e, "waiting for the transfer queues failed"),
+    }
     if let Some(d) = state.store.disk() {
         let d = d.clone();
-        if let Err(e) = tokio::task::spawn_blocking(move || d.flush())
-            .await
-            .unwrap_or(Ok(()))
-        {
-            tracing::warn!(error = %e, "disk tier flush failed");
+        match tokio::task::spawn_blocking(move || d.flush().map(|()| d.stats().entries)).await {
+            Ok(Ok(entries)) => tracing::info!(entries, "disk tier flushed"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "disk tier flush failed"),
+            Err(e) => tracing::warn!(error = %e, "disk tier flush failed"),
         }
     }
     let _ = std::fs::remove_file(&socket);

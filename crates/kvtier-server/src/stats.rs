@@ -48,7 +48,15 @@ impl Snapshot {
         for (name, q) in [("load", &self.load_queue), ("store", &self.store_queue)] {
             gauge!(m::QUEUE_DEPTH, "queue" => name).set(q.active_requests as f64);
             gauge!(m::QUEUE_INFLIGHT_BYTES, "queue" => name).set(q.inflight_bytes as f64);
+            for (outcome, n) in [
+                ("completed", q.completed_total),
+                ("cancelled", q.cancelled_total),
+                ("failed", q.failed_total),
+            ] {
+                counter!(m::TRANSFER_REQUESTS, "queue" => name, "outcome" => outcome).absolute(n);
+            }
         }
+        gauge!(m::DISK_PENDING_WRITES).set(self.store_queue.pending_disk_blocks as f64);
         let h = &self.tiers.host;
         gauge!(m::TIER_USED_BYTES, "tier" => "host").set((u64::from(h.used_pages) * h.page_bytes) as f64);
         gauge!(m::TIER_CAPACITY_BYTES, "tier" => "host")

@@ -430,6 +430,7 @@ impl ChunkedJob for PromoteJob {
         if let Err(e) = self.core.outcome() {
             // Cancelled or failed: dropping the writers frees their pages unpublished.
             drop(promote);
+            request.counters.count_failure(&e);
             request.events.send(LoadEvent::Done(Err(e)));
             return;
         }

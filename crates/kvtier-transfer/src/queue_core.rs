@@ -227,6 +227,10 @@ impl QueueCore {
     pub(crate) fn wait_idle(&self) {
         self.tracker.wait_idle();
     }
+
+    pub(crate) fn wait_idle_until(&self, deadline: Instant) -> bool {
+        self.tracker.wait_idle_until(deadline)
+    }
 }
 
 /// Counters of one queue, updated by submitters and workers.
@@ -247,6 +251,8 @@ pub(crate) struct QueueCounters {
     pub disk_blocks: AtomicU64,
     pub disk_failed_blocks: AtomicU64,
     pub persist_rejected_blocks: AtomicU64,
+    /// Blocks handed to the disk writers and not yet written (or failed).
+    pub pending_disk_blocks: AtomicU64,
     pub inflight_bytes: Arc<AtomicU64>,
 }
 
@@ -287,6 +293,9 @@ pub struct QueueStats {
     pub disk_failed_blocks_total: u64,
     /// Blocks admitted to disk whose write was dropped because the store queue was full.
     pub persist_rejected_blocks_total: u64,
+    /// Blocks waiting for their disk write (stores under the write policy): what a stop
+    /// would lose if it could not wait for them.
+    pub pending_disk_blocks: u64,
     /// Bytes admitted and not yet finished.
     pub inflight_bytes: u64,
     /// Requests queued and not yet fully claimed by a worker.
@@ -323,6 +332,7 @@ impl QueueCounters {
             disk_blocks_total: l(&self.disk_blocks),
             disk_failed_blocks_total: l(&self.disk_failed_blocks),
             persist_rejected_blocks_total: l(&self.persist_rejected_blocks),
+            pending_disk_blocks: l(&self.pending_disk_blocks),
             inflight_bytes: l(&self.inflight_bytes),
             queued_requests: queued,
             active_requests: active,
@@ -344,12 +354,16 @@ impl QueueCounters {
                 self.blocks.fetch_add(blocks, Ordering::Relaxed);
                 self.bytes.fetch_add(bytes, Ordering::Relaxed);
             }
-            Err(TransferError::Cancelled) => {
-                self.cancelled.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(_) => {
-                self.failed.fetch_add(1, Ordering::Relaxed);
-            }
+            Err(e) => self.count_failure(e),
         }
+    }
+
+    /// Accounts a request that ended early: cancelled by its requester, or failed.
+    pub(crate) fn count_failure(&self, e: &TransferError) {
+        let c = match e {
+            TransferError::Cancelled => &self.cancelled,
+            _ => &self.failed,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
     }
 }

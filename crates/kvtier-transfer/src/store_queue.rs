@@ -314,6 +314,13 @@ impl StoreQueue {
     pub fn wait_idle(&self) {
         self.core.wait_idle();
     }
+
+    /// Like [`StoreQueue::wait_idle`], giving up at `deadline`. Returns whether every store and
+    /// disk write finished; if not, [`QueueStats::pending_disk_blocks`] says how many blocks
+    /// were still waiting for their disk write.
+    pub fn wait_idle_until(&self, deadline: Instant) -> bool {
+        self.core.wait_idle_until(deadline)
+    }
 }
 
 /// The device → host copies of a store.
@@ -475,6 +482,10 @@ impl PersistJob {
             .iter()
             .map(|p| (p.key(), p.layer_range(0).map_or(0, |r| r.0)))
             .collect();
+        shared
+            .counters
+            .pending_disk_blocks
+            .fetch_add(blocks.len() as u64, Ordering::Relaxed);
         Self {
             core: JobCore::new(ChunkPlan::new(blocks.len(), 1, 1, 1), parts),
             disk,
@@ -518,6 +529,10 @@ impl ChunkedJob for PersistJob {
             },
             |_| {},
         );
+        self.shared
+            .counters
+            .pending_disk_blocks
+            .fetch_sub(1, Ordering::Relaxed);
         if last {
             self.finish();
         }

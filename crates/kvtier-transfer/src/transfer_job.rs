@@ -226,12 +226,14 @@ impl JobCore {
         lock(&self.error).is_some()
     }
 
-    /// Once the job is done: its first copy error, or cancellation, if any.
+    /// Once the job is done: its first copy error, or cancellation, if any. A requester that
+    /// went away before the job finished cancelled it, even if every copy had already run:
+    /// nobody will use what it copied, so nothing is published and it counts as cancelled.
     pub(crate) fn outcome(&self) -> Result<(), TransferError> {
         if let Some(e) = lock(&self.error).take() {
             return Err(e);
         }
-        if self.skipped.load(Ordering::Acquire) {
+        if self.skipped.load(Ordering::Acquire) || self.cancelled.load(Ordering::Acquire) {
             return Err(TransferError::Cancelled);
         }
         Ok(())
@@ -261,6 +263,7 @@ pub(crate) fn validate_request(
             actual: *pool.geometry(),
         });
     }
+    pool.check_usable()?;
     let mut seen = HashSet::with_capacity(slots.len());
     for slot in slots {
         pool.check_slot(slot)?;

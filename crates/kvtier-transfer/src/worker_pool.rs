@@ -44,6 +44,22 @@ impl JobTracker {
             n = self.idle.wait(n).unwrap_or_else(|e| e.into_inner());
         }
     }
+    /// Like `wait_idle`, giving up at `deadline`; whether the queue went idle.
+    pub(crate) fn wait_idle_until(&self, deadline: std::time::Instant) -> bool {
+        let mut n = self.lock();
+        while *n > 0 {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            n = self
+                .idle
+                .wait_timeout(n, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        true
+    }
 }
 
 /// Held by a job for its whole life; dropping it (job finished, cancelled or discarded at
