@@ -93,8 +93,14 @@ pub fn describe() {
         Unit::Bytes,
         "Bytes admitted and not finished, by queue"
     );
-    describe_counter!(TRANSFER_REQUESTS, "Transfer requests that ended, by queue and outcome");
-    describe_gauge!(DISK_PENDING_WRITES, "Acknowledged blocks waiting for their disk write");
+    describe_counter!(
+        TRANSFER_REQUESTS,
+        "Transfer requests that ended, by queue and outcome"
+    );
+    describe_gauge!(
+        DISK_PENDING_WRITES,
+        "Acknowledged blocks waiting for their disk write"
+    );
     describe_gauge!(TIER_USED_BYTES, Unit::Bytes, "Bytes of blocks held, by tier");
     describe_gauge!(TIER_CAPACITY_BYTES, Unit::Bytes, "Bytes a tier may hold");
     describe_gauge!(TIER_BLOCKS, "Blocks held, by tier");

@@ -22,6 +22,11 @@ mod transfer_queues;
 mod transfer_timing;
 mod worker_pool;
 
+#[cfg(feature = "test-util")]
+pub mod conformance;
+#[cfg(feature = "test-util")]
+pub mod test_util;
+
 pub use device_pool::{CpuDevicePool, DevicePool, POOL_HEADER_BYTES};
 pub use error::TransferError;
 pub use event_sink::EventSink;

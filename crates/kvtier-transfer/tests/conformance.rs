@@ -1,0 +1,139 @@
+//! The tier contract over every tier configuration kvtier ships, and proof that each check
+//! catches the fault it is about.
+
+use kvtier_core::{BlockKey, NamespaceFingerprint};
+use kvtier_store::{EvictionKind, PinnedPage, TieredStore, WritePolicy};
+use kvtier_transfer::conformance::{self, HostOnly, HostOverDisk, TierSubject};
+
+/// A disk subject in a fresh directory that lives as long as the subject.
+#[derive(Debug)]
+struct Disk {
+    subject: HostOverDisk,
+    _dir: tempfile::TempDir,
+}
+
+fn disk(policy: WritePolicy) -> Disk {
+    let dir = tempfile::tempdir().unwrap();
+    Disk {
+        subject: HostOverDisk {
+            dir: dir.path().to_owned(),
+            policy,
+        },
+        _dir: dir,
+    }
+}
+
+impl TierSubject for Disk {
+    fn open(&self) -> TieredStore {
+        self.subject.open()
+    }
+    fn persistent(&self) -> bool {
+        self.subject.persistent()
+    }
+    fn damage_at_rest(&self) -> bool {
+        self.subject.damage_at_rest()
+    }
+}
+
+fn assert_conforms<S: TierSubject>(make: impl Fn() -> S) {
+    let failed = conformance::run_all(make);
+    assert!(failed.is_empty(), "{failed:#?}");
+}
+
+#[test]
+fn host_s3fifo_conforms() {
+    assert_conforms(|| HostOnly {
+        eviction: EvictionKind::S3fifo,
+    });
+}
+
+#[test]
+fn host_lru_conforms() {
+    assert_conforms(|| HostOnly {
+        eviction: EvictionKind::Lru,
+    });
+}
+
+#[test]
+fn host_over_disk_write_through_conforms() {
+    assert_conforms(|| disk(WritePolicy::WriteThrough));
+}
+
+#[test]
+fn host_over_disk_all_conforms() {
+    assert_conforms(|| disk(WritePolicy::All));
+}
+
+/// A subject that breaks one rule of the contract.
+#[derive(Debug)]
+enum Fault {
+    /// Damages a stored byte in host memory.
+    FlipsAByte(HostOnly),
+    /// Acknowledges disk writes whose commit never reached the file (what a reopen finds).
+    SkipsACommit(Disk),
+    /// Drops the pins it was asked to hold.
+    ForgetsAPin(HostOnly),
+}
+
+impl TierSubject for Fault {
+    fn open(&self) -> TieredStore {
+        match self {
+            Fault::FlipsAByte(s) | Fault::ForgetsAPin(s) => s.open(),
+            Fault::SkipsACommit(d) => {
+                for f in d.subject.region_files() {
+                    std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(&f)
+                        .and_then(|f| f.set_len(4096))
+                        .unwrap();
+                }
+                d.open()
+            }
+        }
+    }
+    fn persistent(&self) -> bool {
+        matches!(self, Fault::SkipsACommit(_))
+    }
+    fn damage_at_rest(&self) -> bool {
+        match self {
+            Fault::SkipsACommit(d) => d.damage_at_rest(),
+            _ => false,
+        }
+    }
+    fn hold(&self, pins: Vec<PinnedPage>) -> Vec<PinnedPage> {
+        match self {
+            Fault::ForgetsAPin(_) => Vec::new(),
+            _ => pins,
+        }
+    }
+    fn after_store(&self, store: &TieredStore, ns: NamespaceFingerprint, keys: &[BlockKey]) {
+        if let Fault::FlipsAByte(_) = self {
+            let pin = store.host().pin(ns, keys[0]).unwrap();
+            let (offset, _) = pin.layer_range(1).unwrap();
+            let mut b = [0u8; 1];
+            pin.region().read(offset + 77, &mut b).unwrap();
+            pin.region().write(offset + 77, &[b[0] ^ 1]).unwrap();
+        }
+    }
+}
+
+fn fails(check: &str, subject: &Fault) -> String {
+    let (_, f) = conformance::CHECKS.iter().find(|(n, _)| *n == check).unwrap();
+    f(subject).expect_err(&format!("{check} did not catch {subject:?}"))
+}
+
+#[test]
+fn each_check_catches_the_fault_it_is_about() {
+    let host = || HostOnly {
+        eviction: EvictionKind::S3fifo,
+    };
+    let e = fails("read_back_bit_exact", &Fault::FlipsAByte(host()));
+    assert!(e.contains("differs"), "{e}");
+    let e = fails(
+        "reopen_keeps_acknowledged",
+        &Fault::SkipsACommit(disk(WritePolicy::All)),
+    );
+    assert!(e.contains("after a reopen"), "{e}");
+    let e = fails("pinned_is_never_evicted", &Fault::ForgetsAPin(host()));
+    assert!(e.contains("evicted"), "{e}");
+}
