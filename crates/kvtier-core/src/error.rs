@@ -1,4 +1,32 @@
-//! Errors of kvtier-core.
+//! Errors of kvtier-core, and the kinds every kvtier error is sorted into.
+
+/// What kind of failure an error is, decided where the error is defined (each library error's
+/// `kind()`, an exhaustive match), so that a new variant cannot silently become an internal
+/// error: the server maps kinds, not variants, to gRPC codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// The caller sent something malformed or out of range.
+    InvalidArgument,
+    /// What the caller named does not exist.
+    NotFound,
+    /// What the caller wants to create exists already.
+    AlreadyExists,
+    /// The request is well formed but the state it needs does not hold (a pool of another
+    /// geometry, memory that changed under a registration).
+    FailedPrecondition,
+    /// A bound was reached (a full queue, tier or disk); trying later may work.
+    ResourceExhausted,
+    /// Stored data failed verification.
+    DataLoss,
+    /// The service cannot take it now (shutting down, a transient conflict).
+    Unavailable,
+    /// The requester gave up.
+    Cancelled,
+    /// The requester's deadline passed.
+    DeadlineExceeded,
+    /// A fault of kvtier or of its machine (an I/O error, a thread that cannot start).
+    Internal,
+}
 
 /// Why a value from a caller, a flag or a file was refused by kvtier-core.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -39,4 +67,17 @@ pub enum CoreError {
         /// What is wrong with it.
         reason: &'static str,
     },
+}
+
+impl CoreError {
+    /// The kind of failure: every variant is the caller's bad input.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            CoreError::InvalidGeometry { .. }
+            | CoreError::UnknownDtype(_)
+            | CoreError::InvalidNamespace { .. }
+            | CoreError::InvalidKey { .. }
+            | CoreError::InvalidByteSize { .. } => ErrorKind::InvalidArgument,
+        }
+    }
 }

@@ -19,6 +19,6 @@ mod namespace;
 pub use block_key::{BlockHasher, BlockKey};
 pub use byte_size::ByteSize;
 pub use checksum::xxh3_64;
-pub use error::CoreError;
+pub use error::{CoreError, ErrorKind};
 pub use geometry::{Dtype, KvGeometry};
 pub use namespace::{Namespace, NamespaceFingerprint};

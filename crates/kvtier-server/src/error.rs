@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use kvtier_core::{CoreError, KvGeometry};
+use kvtier_core::{CoreError, ErrorKind, KvGeometry};
 use kvtier_store::StoreError;
 use kvtier_transfer::TransferError;
 use tonic::{Code, Status};
@@ -108,8 +108,7 @@ pub fn code_of(e: &ServerError) -> Code {
         ServerError::BadKeys { .. }
         | ServerError::EmptyBatch(_)
         | ServerError::BatchTooLarge { .. }
-        | ServerError::InvalidArgument(_)
-        | ServerError::Core(_) => Code::InvalidArgument,
+        | ServerError::InvalidArgument(_) => Code::InvalidArgument,
         ServerError::GeometryMismatch { .. } | ServerError::Unsupported(_) => Code::FailedPrecondition,
         ServerError::DeadlineExceeded(_) => Code::DeadlineExceeded,
         ServerError::ShuttingDown => Code::Unavailable,
@@ -117,44 +116,25 @@ pub fn code_of(e: &ServerError) -> Code {
         | ServerError::Listen { .. }
         | ServerError::SocketInUse(_)
         | ServerError::Metrics { .. } => Code::Internal,
-        ServerError::Store(e) => store_code(e),
-        ServerError::Transfer(e) => transfer_code(e),
+        ServerError::Core(e) => code_of_kind(e.kind()),
+        ServerError::Store(e) => code_of_kind(e.kind()),
+        ServerError::Transfer(e) => code_of_kind(e.kind()),
     }
 }
 
-fn store_code(e: &StoreError) -> Code {
-    match e {
-        StoreError::FileNotFound { .. } | StoreError::NotFound { .. } => Code::NotFound,
-        StoreError::WrongSize { .. }
-        | StoreError::DiskGeometryMismatch { .. }
-        | StoreError::RegionUnusable { .. } => Code::FailedPrecondition,
-        StoreError::NoSpace { .. } | StoreError::DiskFull { .. } => Code::ResourceExhausted,
-        StoreError::OutOfBounds { .. }
-        | StoreError::LayerOutOfRange { .. }
-        | StoreError::BufferSize { .. } => Code::InvalidArgument,
-        StoreError::Core(_) => Code::InvalidArgument,
-        StoreError::CorruptBlock { .. } => Code::DataLoss,
-        _ => Code::Internal,
-    }
-}
-
-fn transfer_code(e: &TransferError) -> Code {
-    match e {
-        TransferError::SlotOutOfRange { .. }
-        | TransferError::DuplicateSlot { .. }
-        | TransferError::EmptyRequest { .. }
-        | TransferError::Core(_) => Code::InvalidArgument,
-        TransferError::GeometryMismatch { .. }
-        | TransferError::NotAPool { .. }
-        | TransferError::SlotCountMismatch { .. }
-        | TransferError::PoolUnusable { .. }
-        | TransferError::NoSlots => Code::FailedPrecondition,
-        TransferError::QueueFull { .. } => Code::ResourceExhausted,
-        TransferError::ShutDown | TransferError::WouldBlock => Code::Unavailable,
-        TransferError::Cancelled => Code::Cancelled,
-        TransferError::DeadlineExceeded => Code::DeadlineExceeded,
-        TransferError::Store(e) => store_code(e),
-        _ => Code::Internal,
+/// The gRPC code of each kind of library error (kinds are decided where errors are defined).
+pub fn code_of_kind(kind: ErrorKind) -> Code {
+    match kind {
+        ErrorKind::InvalidArgument => Code::InvalidArgument,
+        ErrorKind::NotFound => Code::NotFound,
+        ErrorKind::AlreadyExists => Code::AlreadyExists,
+        ErrorKind::FailedPrecondition => Code::FailedPrecondition,
+        ErrorKind::ResourceExhausted => Code::ResourceExhausted,
+        ErrorKind::DataLoss => Code::DataLoss,
+        ErrorKind::Unavailable => Code::Unavailable,
+        ErrorKind::Cancelled => Code::Cancelled,
+        ErrorKind::DeadlineExceeded => Code::DeadlineExceeded,
+        ErrorKind::Internal => Code::Internal,
     }
 }
 

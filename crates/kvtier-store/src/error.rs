@@ -3,7 +3,7 @@
 use std::io;
 use std::path::PathBuf;
 
-use kvtier_core::{BlockKey, CoreError, KvGeometry};
+use kvtier_core::{BlockKey, CoreError, ErrorKind, KvGeometry};
 
 /// Why a kvtier-store operation failed. Every variant names the offending value.
 #[derive(Debug, thiserror::Error)]
@@ -170,6 +170,28 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// The kind of failure, decided here for every variant.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            StoreError::Core(e) => e.kind(),
+            StoreError::Io { .. } | StoreError::DiskDir { .. } | StoreError::DirLocked { .. } => {
+                ErrorKind::Internal
+            }
+            StoreError::AlreadyExists { .. } => ErrorKind::AlreadyExists,
+            StoreError::FileNotFound { .. } | StoreError::NotFound { .. } => ErrorKind::NotFound,
+            StoreError::WrongSize { .. }
+            | StoreError::DiskGeometryMismatch { .. }
+            | StoreError::RegionUnusable { .. } => ErrorKind::FailedPrecondition,
+            StoreError::CapacityTooSmall { .. }
+            | StoreError::CapacityTooLarge { .. }
+            | StoreError::OutOfBounds { .. }
+            | StoreError::LayerOutOfRange { .. }
+            | StoreError::BufferSize { .. } => ErrorKind::InvalidArgument,
+            StoreError::CorruptBlock { .. } => ErrorKind::DataLoss,
+            StoreError::DiskFull { .. } | StoreError::NoSpace { .. } => ErrorKind::ResourceExhausted,
+        }
+    }
+
     pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: io::Error) -> Self {
         StoreError::Io {
             op,

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use kvtier_core::{CoreError, KvGeometry};
+use kvtier_core::{CoreError, ErrorKind, KvGeometry};
 use kvtier_store::StoreError;
 
 /// Why a pool operation or a transfer request failed. Every variant names the offending value.
@@ -102,4 +102,27 @@ pub enum TransferError {
     /// The queue was shut down before the transfer finished.
     #[error("transfer queue shut down before the transfer finished")]
     ShutDown,
+}
+
+impl TransferError {
+    /// The kind of failure, decided here for every variant.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            TransferError::Store(e) => e.kind(),
+            TransferError::Core(e) => e.kind(),
+            TransferError::SlotOutOfRange { .. }
+            | TransferError::DuplicateSlot { .. }
+            | TransferError::EmptyRequest { .. } => ErrorKind::InvalidArgument,
+            TransferError::GeometryMismatch { .. }
+            | TransferError::NotAPool { .. }
+            | TransferError::SlotCountMismatch { .. }
+            | TransferError::PoolUnusable { .. }
+            | TransferError::NoSlots => ErrorKind::FailedPrecondition,
+            TransferError::QueueFull { .. } => ErrorKind::ResourceExhausted,
+            TransferError::Cancelled => ErrorKind::Cancelled,
+            TransferError::Spawn(_) => ErrorKind::Internal,
+            TransferError::DeadlineExceeded => ErrorKind::DeadlineExceeded,
+            TransferError::WouldBlock | TransferError::ShutDown => ErrorKind::Unavailable,
+        }
+    }
 }
