@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use kvtier_client::{Client, PoolHandle};
 use kvtier_core::{BlockKey, ByteSize, KvGeometry};
-use kvtier_server::wire::pack_keys;
-use kvtier_server::{ServerConfig, proto};
+use kvtier_proto::proto;
+use kvtier_proto::wire::{pack_key, pack_keys};
+use kvtier_server::ServerConfig;
 use kvtier_transfer::TransferTiming;
 use serde::Serialize;
 
@@ -392,11 +393,7 @@ async fn run_batch(
                 pool_id: pool.id,
                 keys: pack_keys(&blocks.iter().map(|b| b.key).collect::<Vec<_>>()),
                 slots: blocks.iter().map(|b| b.slot).collect(),
-                parent: blocks
-                    .first()
-                    .and_then(|b| b.parent)
-                    .map(|p| pack_keys(&[p]))
-                    .unwrap_or_default(),
+                parent: pack_key(blocks.first().and_then(|b| b.parent)),
                 ..Default::default()
             }
         });

@@ -18,9 +18,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
-use kvtier_core::{BlockHasher, BlockKey, CoreError, Dtype, KvGeometry, Namespace, NamespaceFingerprint};
-use kvtier_server::proto::{self, kv_tier_client::KvTierClient};
-use kvtier_server::wire::{pack_keys, unpack_keys};
+use kvtier_core::{BlockHasher, BlockKey, CoreError, KvGeometry, Namespace, NamespaceFingerprint};
+use kvtier_proto::proto::kv_tier_client::KvTierClient;
+use kvtier_proto::wire::{pack_key, pack_keys, unpack_keys};
+use kvtier_proto::{ProtoError, geometry_from_proto};
 use kvtier_transfer::{CpuDevicePool, DevicePool};
 use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;
@@ -28,7 +29,10 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint, Uri};
 use tonic::{Request, Status};
 
-pub use kvtier_server::proto::{LoadDone, MatchResponse, PinResponse, StoreResponse, Tier};
+/// The generated kvtier.v1 messages, for calls through [`Client::rpc`] and the replies this
+/// client returns as they come.
+pub use kvtier_proto::proto;
+pub use kvtier_proto::proto::{LoadDone, MatchResponse, PinResponse, StoreResponse, Tier};
 
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +52,9 @@ pub enum ClientError {
     /// The sidecar answered something this client did not expect.
     #[error("kvtier protocol: {0}")]
     Protocol(String),
+    /// A reply field that does not decode (keys of a bad length, an unknown dtype).
+    #[error("kvtier protocol: {0}")]
+    Proto(#[from] ProtoError),
     /// A geometry or namespace error.
     #[error(transparent)]
     Core(#[from] CoreError),
@@ -137,45 +144,8 @@ impl Drop for SessionTask {
     }
 }
 
-fn to_keys(packed: &[u8]) -> Result<Vec<BlockKey>, ClientError> {
-    unpack_keys("keys", packed).map_err(|e| ClientError::Protocol(e.to_string()))
-}
-
-fn geometry_from(g: &proto::KvGeometry) -> Result<KvGeometry, ClientError> {
-    let dtype = match proto::Dtype::try_from(g.dtype) {
-        Ok(proto::Dtype::F32) => Dtype::F32,
-        Ok(proto::Dtype::F16) => Dtype::F16,
-        Ok(proto::Dtype::Bf16) => Dtype::Bf16,
-        Ok(proto::Dtype::Fp8E4m3) => Dtype::Fp8E4m3,
-        Ok(proto::Dtype::Fp8E5m2) => Dtype::Fp8E5m2,
-        _ => return Err(ClientError::Protocol(format!("unknown dtype {}", g.dtype))),
-    };
-    Ok(KvGeometry::new(
-        g.layers,
-        g.kv_heads,
-        g.head_dim,
-        dtype,
-        g.block_tokens,
-    )?)
-}
-
-/// The proto form of a geometry.
-pub fn geometry_to_proto(g: &KvGeometry) -> proto::KvGeometry {
-    let dtype = match g.dtype() {
-        Dtype::F32 => proto::Dtype::F32,
-        Dtype::F16 => proto::Dtype::F16,
-        Dtype::Bf16 => proto::Dtype::Bf16,
-        Dtype::Fp8E4m3 => proto::Dtype::Fp8E4m3,
-        Dtype::Fp8E5m2 => proto::Dtype::Fp8E5m2,
-        _ => proto::Dtype::Unspecified,
-    };
-    proto::KvGeometry {
-        layers: g.layers(),
-        kv_heads: g.kv_heads(),
-        head_dim: g.head_dim(),
-        dtype: dtype as i32,
-        block_tokens: g.block_tokens(),
-    }
+fn to_keys(field: &'static str, packed: &[u8]) -> Result<Vec<BlockKey>, ClientError> {
+    Ok(unpack_keys(field, packed)?)
 }
 
 /// Opens a channel to `target`: `unix:///path` (or a bare path) for the Unix socket,
@@ -250,12 +220,7 @@ impl Client {
                 "the session stream did not start with Opened".into(),
             ));
         };
-        let geometry = geometry_from(
-            opened
-                .geometry
-                .as_ref()
-                .ok_or_else(|| ClientError::Protocol("no geometry in SessionOpened".into()))?,
-        )?;
+        let geometry = geometry_from_proto(opened.geometry.as_ref())?;
         // Keep the session stream open (heartbeats) for the client's lifetime.
         let session_task = tokio::spawn(async move {
             while let Ok(Some(_)) = events.message().await {}
@@ -310,7 +275,7 @@ impl Client {
             .register_pool(proto::RegisterPoolRequest {
                 session_id: self.session_id,
                 model_id: model_id.to_owned(),
-                geometry: Some(geometry_to_proto(&geometry)),
+                geometry: Some(geometry.into()),
                 num_slots: pool.num_slots(),
                 tp_rank,
                 tp_size,
@@ -431,7 +396,9 @@ impl Client {
         while let Some(ev) = stream.message().await? {
             match ev.event {
                 Some(proto::load_event::Event::LayerReady(l)) => out.layers_ready.push(l.layer),
-                Some(proto::load_event::Event::Missing(m)) => out.missing_announced.extend(to_keys(&m.keys)?),
+                Some(proto::load_event::Event::Missing(m)) => {
+                    out.missing_announced.extend(to_keys("missing.keys", &m.keys)?)
+                }
                 Some(proto::load_event::Event::Done(d)) => {
                     out.done = d;
                     return Ok(out);
@@ -465,7 +432,7 @@ impl Client {
                 cache_salt: salt.to_owned(),
                 keys: pack_keys(&blocks.iter().map(|b| b.0).collect::<Vec<_>>()),
                 slots: blocks.iter().map(|b| b.1).collect(),
-                parent: parent.map(|p| pack_keys(&[p])).unwrap_or_default(),
+                parent: pack_key(parent),
             })
             .await?
             .into_inner())
@@ -585,5 +552,5 @@ impl Client {
 /// # Errors
 /// [`ClientError::Protocol`] for a key that is not 16 bytes.
 pub fn missing_keys(done: &LoadDone) -> Result<Vec<BlockKey>, ClientError> {
-    to_keys(&done.missing)
+    to_keys("done.missing", &done.missing)
 }

@@ -40,7 +40,7 @@ pub struct Window {
 }
 
 impl Window {
-    fn of(sent: Instant, t: Option<&kvtier_server::proto::TransferTiming>, bytes: u64) -> Option<Self> {
+    fn of(sent: Instant, t: Option<&kvtier_proto::proto::TransferTiming>, bytes: u64) -> Option<Self> {
         let t = t?;
         (bytes > 0).then(|| Self {
             start: sent + Duration::from_micros(t.queue_us),
@@ -370,9 +370,9 @@ impl SidecarLink {
         match r {
             Ok(tiers) => tiers
                 .iter()
-                .map_while(|t| match kvtier_server::proto::Tier::try_from(*t) {
-                    Ok(kvtier_server::proto::Tier::Host) => Some(TierHit::Host),
-                    Ok(kvtier_server::proto::Tier::Disk) => Some(TierHit::Disk),
+                .map_while(|t| match kvtier_proto::proto::Tier::try_from(*t) {
+                    Ok(kvtier_proto::proto::Tier::Host) => Some(TierHit::Host),
+                    Ok(kvtier_proto::proto::Tier::Disk) => Some(TierHit::Disk),
                     _ => None,
                 })
                 .collect(),
@@ -396,7 +396,7 @@ impl SidecarLink {
         );
         let deadline = self.config.load_deadline;
         self.rt.spawn(async move {
-            use kvtier_server::proto::load_event::Event;
+            use kvtier_proto::proto::load_event::Event;
             let sent = Instant::now();
             let run = async {
                 let mut stream = c
@@ -409,7 +409,7 @@ impl SidecarLink {
                             prog.update(|s| s.layers_ready = s.layers_ready.max(l.layer + 1))
                         }
                         Some(Event::Missing(m)) => {
-                            let keys = kvtier_server::wire::unpack_keys("missing", &m.keys)
+                            let keys = kvtier_proto::wire::unpack_keys("missing", &m.keys)
                                 .map_err(|e| e.to_string())?;
                             prog.update(|s| s.missing.extend(keys));
                         }
