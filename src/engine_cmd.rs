@@ -61,12 +61,9 @@ impl EngineFlags {
             pool_path: self.pool_path.clone(),
             kv_reuse: self.kv_reuse,
             sidecar: self.sidecar.clone().or_else(|| {
-                self.kv_reuse.uses_kvtier().then(|| {
-                    format!(
-                        "unix://{}",
-                        kvtier_server::ServerConfig::default().server.socket.display()
-                    )
-                })
+                self.kv_reuse
+                    .uses_kvtier()
+                    .then(|| format!("unix://{}", kvtier_proto::default_socket_path().display()))
             }),
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,

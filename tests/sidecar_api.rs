@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::*;
 use kvtier_client::{Client, PoolHandle};
 use kvtier_core::{BlockKey, Dtype, KvGeometry};
-use kvtier_server::proto;
+use kvtier_proto::proto;
 use kvtier_transfer::CpuDevicePool;
 use tonic::Code;
 
@@ -98,7 +98,7 @@ async fn store_match_load_round_trip_bit_exact() {
         (&by_keys.tiers, by_keys.matched_tokens)
     );
     assert_eq!(
-        kvtier_server::wire::unpack_keys("keys", &by_tokens.keys).unwrap(),
+        kvtier_proto::wire::unpack_keys("keys", &by_tokens.keys).unwrap(),
         keys[..10].to_vec(),
         "token matches return their keys"
     );
@@ -126,11 +126,7 @@ async fn store_match_load_round_trip_bit_exact() {
         .unwrap();
     assert_eq!(out.layers_ready, vec![0, 1]);
     assert_eq!(out.done.loaded_blocks, 10);
-    assert_eq!(
-        kvtier_client::missing_keys(&out.done).unwrap(),
-        keys[10..].to_vec(),
-        "never silently skipped"
-    );
+    assert_eq!(out.done.missing, keys[10..].to_vec(), "never silently skipped");
     e.check(&keys[..10], 20);
     // Device residency shows in Match.
     let resident: Vec<(BlockKey, Option<u32>)> = keys[..3]
@@ -170,7 +166,7 @@ async fn every_bad_request_gets_its_status_and_changes_nothing() {
     let rpc = e.client.rpc();
 
     // Unknown session and pool.
-    let pack = |ks: &[BlockKey]| kvtier_server::wire::pack_keys(ks);
+    let pack = |ks: &[BlockKey]| kvtier_proto::wire::pack_keys(ks);
     let m = |session_id, pool_id, keys| proto::MatchRequest {
         session_id,
         pool_id,
@@ -262,7 +258,7 @@ async fn every_bad_request_gets_its_status_and_changes_nothing() {
         pool_id: e.handle.id,
         events: vec![proto::DeviceEvent {
             kind,
-            key: kvtier_server::wire::pack_keys(&keys[..1]),
+            key: kvtier_proto::wire::pack_keys(&keys[..1]),
             slot,
         }],
     };
@@ -289,7 +285,7 @@ async fn every_bad_request_gets_its_status_and_changes_nothing() {
     let reg = |geometry: KvGeometry, path: &str, num_slots| proto::RegisterPoolRequest {
         session_id: sid,
         model_id: "m".into(),
-        geometry: Some(kvtier_client::geometry_to_proto(&geometry)),
+        geometry: Some(geometry.into()),
         num_slots,
         tp_rank: 0,
         tp_size: 1,

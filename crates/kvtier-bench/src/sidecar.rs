@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use kvtier_client::{Client, PoolHandle};
 use kvtier_core::{BlockKey, ByteSize, KvGeometry};
-use kvtier_server::wire::pack_keys;
-use kvtier_server::{ServerConfig, proto};
+use kvtier_proto::wire::{pack_key, pack_keys};
+use kvtier_proto::{WireTiming, proto};
+use kvtier_server::ServerConfig;
 use kvtier_transfer::TransferTiming;
 use serde::Serialize;
 
@@ -205,12 +206,13 @@ pub(crate) fn pool_path(tag: &str) -> PathBuf {
 }
 
 /// A server's relative timing placed on the client's clock, from when the request was sent.
-fn timing_at(sent: Instant, t: &proto::TransferTiming) -> TransferTiming {
+fn timing_at(sent: Instant, t: Option<proto::TransferTiming>) -> TransferTiming {
+    let t = WireTiming::from(t.unwrap_or_default());
     TransferTiming {
         submitted: sent,
-        first_copy_start: Some(sent + Duration::from_micros(t.queue_us)),
-        last_copy_end: Some(sent + Duration::from_micros(t.latency_us)),
-        active: Duration::from_micros(t.active_us),
+        first_copy_start: Some(sent + t.queue),
+        last_copy_end: Some(sent + t.latency),
+        active: t.active,
         copy_calls: 0,
     }
 }
@@ -392,11 +394,7 @@ async fn run_batch(
                 pool_id: pool.id,
                 keys: pack_keys(&blocks.iter().map(|b| b.key).collect::<Vec<_>>()),
                 slots: blocks.iter().map(|b| b.slot).collect(),
-                parent: blocks
-                    .first()
-                    .and_then(|b| b.parent)
-                    .map(|p| pack_keys(&[p]))
-                    .unwrap_or_default(),
+                parent: pack_key(blocks.first().and_then(|b| b.parent)),
                 ..Default::default()
             }
         });
@@ -408,7 +406,7 @@ async fn run_batch(
                 let mut stream = rpc.load(req).await?.into_inner();
                 while let Some(ev) = stream.message().await? {
                     if let Some(proto::load_event::Event::Done(d)) = ev.event {
-                        return Ok(Some((d.bytes, timing_at(sent, &d.timing.unwrap_or_default()))));
+                        return Ok(Some((d.bytes, timing_at(sent, d.timing))));
                     }
                 }
                 Err(tonic::Status::internal("the load stream ended without a report"))
@@ -419,7 +417,7 @@ async fn run_batch(
                 let s = rpc2.store(req).await?.into_inner();
                 Ok(Some((
                     s.bytes,
-                    timing_at(sent, &s.timing.unwrap_or_default()),
+                    timing_at(sent, s.timing),
                     s.no_space.len() as u64,
                 )))
             };
@@ -478,8 +476,7 @@ async fn load_back(
             .await
             .map_err(rpc_err)?
             .done;
-        let missing = kvtier_client::missing_keys(&done).map_err(rpc_err)?;
-        out.push(keys.iter().map(|k| !missing.contains(k)).collect());
+        out.push(keys.iter().map(|k| !done.missing.contains(k)).collect());
     }
     Ok(out)
 }

@@ -18,9 +18,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
-use kvtier_core::{BlockHasher, BlockKey, CoreError, Dtype, KvGeometry, Namespace, NamespaceFingerprint};
-use kvtier_server::proto::{self, kv_tier_client::KvTierClient};
-use kvtier_server::wire::{pack_keys, unpack_keys};
+use kvtier_core::{BlockHasher, BlockKey, CoreError, KvGeometry, Namespace, NamespaceFingerprint};
+use kvtier_proto::proto::kv_tier_client::KvTierClient;
+use kvtier_proto::wire::{pack_key, pack_keys};
+use kvtier_proto::{ProtoError, geometry_from_proto};
 use kvtier_transfer::{CpuDevicePool, DevicePool};
 use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;
@@ -28,7 +29,11 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint, Uri};
 use tonic::{Request, Status};
 
-pub use kvtier_server::proto::{LoadDone, MatchResponse, PinResponse, StoreResponse, Tier};
+/// The generated kvtier.v1 messages, for calls through [`Client::rpc`] and the replies this
+/// client returns as they come.
+pub use kvtier_proto::proto;
+pub use kvtier_proto::proto::{MatchResponse, PinResponse, StoreResponse, Tier};
+pub use kvtier_proto::{LoadDone, LoadEvent, WireTiming};
 
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +53,9 @@ pub enum ClientError {
     /// The sidecar answered something this client did not expect.
     #[error("kvtier protocol: {0}")]
     Protocol(String),
+    /// A reply field that does not decode (keys of a bad length, an unknown dtype).
+    #[error("kvtier protocol: {0}")]
+    Proto(#[from] ProtoError),
     /// A geometry or namespace error.
     #[error(transparent)]
     Core(#[from] CoreError),
@@ -116,6 +124,40 @@ pub struct LoadOutcome {
     pub done: LoadDone,
 }
 
+/// A load's events as they arrive ([`Client::load`]), decoded: keys unpacked, timings as
+/// [`WireTiming`].
+///
+/// Dropping it before [`LoadEvent::Done`] cancels the load: the sidecar sees the stream go
+/// away, skips the copies that have not started and releases the load's pins. Copies already
+/// running finish, so the load's slots may be partly written: treat them as garbage.
+#[derive(Debug)]
+pub struct LoadStream {
+    events: tonic::Streaming<proto::LoadEvent>,
+}
+
+impl LoadStream {
+    /// The next event; `None` when the stream has ended (after [`LoadEvent::Done`], or early:
+    /// a sidecar that went away mid-load ends the stream without a report). Messages with no
+    /// event set (an event kind newer than this client) are skipped. Waits on the network;
+    /// allocates the keys of `Missing` and `Done`.
+    ///
+    /// # Errors
+    /// The sidecar's status (`DEADLINE_EXCEEDED` when the load's deadline passed, …);
+    /// [`ClientError::Proto`] for an event that does not decode.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the returned future (in a `select!`, a timeout) loses no event;
+    /// the next call returns it. Only dropping the [`LoadStream`] cancels the load.
+    pub async fn next(&mut self) -> Result<Option<LoadEvent>, ClientError> {
+        while let Some(m) = self.events.message().await? {
+            if let Some(e) = LoadEvent::from_proto(m)? {
+                return Ok(Some(e));
+            }
+        }
+        Ok(None)
+    }
+}
+
 /// A connection and a session with the kvtier sidecar. Clones share the connection and the
 /// session (for concurrent calls); the session ends when the last clone is dropped.
 #[derive(Debug, Clone)]
@@ -134,47 +176,6 @@ impl Drop for SessionTask {
     fn drop(&mut self) {
         // Ends the session stream: the sidecar releases this session's pins and pools.
         self.0.abort();
-    }
-}
-
-fn to_keys(packed: &[u8]) -> Result<Vec<BlockKey>, ClientError> {
-    unpack_keys("keys", packed).map_err(|e| ClientError::Protocol(e.to_string()))
-}
-
-fn geometry_from(g: &proto::KvGeometry) -> Result<KvGeometry, ClientError> {
-    let dtype = match proto::Dtype::try_from(g.dtype) {
-        Ok(proto::Dtype::F32) => Dtype::F32,
-        Ok(proto::Dtype::F16) => Dtype::F16,
-        Ok(proto::Dtype::Bf16) => Dtype::Bf16,
-        Ok(proto::Dtype::Fp8E4m3) => Dtype::Fp8E4m3,
-        Ok(proto::Dtype::Fp8E5m2) => Dtype::Fp8E5m2,
-        _ => return Err(ClientError::Protocol(format!("unknown dtype {}", g.dtype))),
-    };
-    Ok(KvGeometry::new(
-        g.layers,
-        g.kv_heads,
-        g.head_dim,
-        dtype,
-        g.block_tokens,
-    )?)
-}
-
-/// The proto form of a geometry.
-pub fn geometry_to_proto(g: &KvGeometry) -> proto::KvGeometry {
-    let dtype = match g.dtype() {
-        Dtype::F32 => proto::Dtype::F32,
-        Dtype::F16 => proto::Dtype::F16,
-        Dtype::Bf16 => proto::Dtype::Bf16,
-        Dtype::Fp8E4m3 => proto::Dtype::Fp8E4m3,
-        Dtype::Fp8E5m2 => proto::Dtype::Fp8E5m2,
-        _ => proto::Dtype::Unspecified,
-    };
-    proto::KvGeometry {
-        layers: g.layers(),
-        kv_heads: g.kv_heads(),
-        head_dim: g.head_dim(),
-        dtype: dtype as i32,
-        block_tokens: g.block_tokens(),
     }
 }
 
@@ -212,6 +213,10 @@ impl Client {
     ///
     /// # Errors
     /// [`ClientError::Connect`], or the sidecar's status.
+    ///
+    /// # Cancel safety
+    /// Dropping the future closes the connection; a session the sidecar had already opened
+    /// ends with its stream, as when a [`Client`] is dropped.
     pub async fn connect(target: &str, client_name: &str) -> Result<Self, ClientError> {
         Self::connect_with_token(target, client_name, None).await
     }
@@ -219,7 +224,12 @@ impl Client {
     /// [`Client::connect`] with a bearer token.
     ///
     /// # Errors
-    /// As [`Client::connect`]; [`ClientError::Protocol`] for a token that is not ASCII.
+    /// As [`Client::connect`]; [`ClientError::Protocol`] for a token that is not ASCII,
+    /// [`ClientError::Proto`] for a session that opened with a geometry this client cannot
+    /// decode.
+    ///
+    /// # Cancel safety
+    /// As [`Client::connect`].
     pub async fn connect_with_token(
         target: &str,
         client_name: &str,
@@ -250,12 +260,7 @@ impl Client {
                 "the session stream did not start with Opened".into(),
             ));
         };
-        let geometry = geometry_from(
-            opened
-                .geometry
-                .as_ref()
-                .ok_or_else(|| ClientError::Protocol("no geometry in SessionOpened".into()))?,
-        )?;
+        let geometry = geometry_from_proto(opened.geometry.as_ref())?;
         // Keep the session stream open (heartbeats) for the client's lifetime.
         let session_task = tokio::spawn(async move {
             while let Ok(Some(_)) = events.message().await {}
@@ -294,6 +299,10 @@ impl Client {
     /// # Errors
     /// The sidecar's status (geometry mismatch, file errors, …); [`ClientError::Protocol`] for
     /// an anonymous pool, which another process cannot open.
+    ///
+    /// # Cancel safety
+    /// Dropping the future after the request was sent may still register the pool; unknown
+    /// to this client, it stays registered (and mapped by the sidecar) until the session ends.
     pub async fn register_cpu_pool(
         &mut self,
         pool: &CpuDevicePool,
@@ -310,7 +319,7 @@ impl Client {
             .register_pool(proto::RegisterPoolRequest {
                 session_id: self.session_id,
                 model_id: model_id.to_owned(),
-                geometry: Some(geometry_to_proto(&geometry)),
+                geometry: Some(geometry.into()),
                 num_slots: pool.num_slots(),
                 tp_rank,
                 tp_size,
@@ -389,19 +398,26 @@ impl Client {
             .into_inner())
     }
 
-    /// Starts a load of `(key, slot)` blocks; the stream yields one event per finished layer,
-    /// then the final report.
+    /// Starts a load of `(key, slot)` blocks; the stream yields the blocks in no tier first
+    /// ([`LoadEvent::Missing`]), one [`LoadEvent::LayerReady`] per finished layer, then the
+    /// final [`LoadEvent::Done`]. `deadline` bounds the whole load on the sidecar (rounded up
+    /// to a millisecond). Returns once the sidecar has accepted the load.
     ///
     /// # Errors
-    /// The sidecar's status.
+    /// The sidecar's status (unknown pool, bad slots, a full queue, …).
+    ///
+    /// # Cancel safety
+    /// Dropping the future before it resolves withdraws the load as far as it got: once the
+    /// request has reached the sidecar, dropping it is dropping the [`LoadStream`] (copies not
+    /// started are skipped, pins released, the slots possibly partly written).
     pub async fn load(
         &mut self,
         pool: &PoolHandle,
         salt: &str,
         blocks: &[(BlockKey, u32)],
         deadline: Option<Duration>,
-    ) -> Result<tonic::Streaming<proto::LoadEvent>, ClientError> {
-        Ok(self
+    ) -> Result<LoadStream, ClientError> {
+        let events = self
             .rpc
             .load(proto::LoadRequest {
                 session_id: self.session_id,
@@ -412,13 +428,19 @@ impl Client {
                 deadline_ms: deadline.map_or(0, |d| d.as_millis().max(1) as u64),
             })
             .await?
-            .into_inner())
+            .into_inner();
+        Ok(LoadStream { events })
     }
 
     /// [`Client::load`], collecting every event until the final report.
     ///
     /// # Errors
-    /// The sidecar's status, at the start or in the stream.
+    /// The sidecar's status, at the start or in the stream; [`ClientError::Proto`] for an
+    /// event that does not decode; [`ClientError::Protocol`] for a stream that ended without
+    /// a report.
+    ///
+    /// # Cancel safety
+    /// As [`Client::load`]: dropping the future cancels the load on the sidecar.
     pub async fn load_all(
         &mut self,
         pool: &PoolHandle,
@@ -428,15 +450,14 @@ impl Client {
     ) -> Result<LoadOutcome, ClientError> {
         let mut stream = self.load(pool, salt, blocks, deadline).await?;
         let mut out = LoadOutcome::default();
-        while let Some(ev) = stream.message().await? {
-            match ev.event {
-                Some(proto::load_event::Event::LayerReady(l)) => out.layers_ready.push(l.layer),
-                Some(proto::load_event::Event::Missing(m)) => out.missing_announced.extend(to_keys(&m.keys)?),
-                Some(proto::load_event::Event::Done(d)) => {
+        while let Some(ev) = stream.next().await? {
+            match ev {
+                LoadEvent::LayerReady { layer } => out.layers_ready.push(layer),
+                LoadEvent::Missing { keys } => out.missing_announced.extend(keys),
+                LoadEvent::Done(d) => {
                     out.done = d;
                     return Ok(out);
                 }
-                None => {}
             }
         }
         Err(ClientError::Protocol(
@@ -449,7 +470,15 @@ impl Client {
     /// Returns when the device slots may be reused.
     ///
     /// # Errors
-    /// The sidecar's status.
+    /// The sidecar's status (`RESOURCE_EXHAUSTED` when the store was dropped for a full queue
+    /// or host tier: nothing was stored).
+    ///
+    /// # Cancel safety
+    /// Not cancel safe. Dropping the future after the request was sent does not withdraw it:
+    /// the sidecar cancels the copies it has not started when it sees the call go away, but
+    /// blocks already copied stay stored, and copies already running still read their device
+    /// slots. Without the reply nothing says when those copies are done, so only drop a
+    /// store whose slots will not be written again (shutting down).
     pub async fn store(
         &mut self,
         pool: &PoolHandle,
@@ -465,7 +494,7 @@ impl Client {
                 cache_salt: salt.to_owned(),
                 keys: pack_keys(&blocks.iter().map(|b| b.0).collect::<Vec<_>>()),
                 slots: blocks.iter().map(|b| b.1).collect(),
-                parent: parent.map(|p| pack_keys(&[p])).unwrap_or_default(),
+                parent: pack_key(parent),
             })
             .await?
             .into_inner())
@@ -578,12 +607,4 @@ impl Client {
     pub async fn stats(&mut self) -> Result<proto::StatsResponse, ClientError> {
         Ok(self.rpc.stats(proto::StatsRequest {}).await?.into_inner())
     }
-}
-
-/// The keys of the blocks a final report says were not loaded.
-///
-/// # Errors
-/// [`ClientError::Protocol`] for a key that is not 16 bytes.
-pub fn missing_keys(done: &LoadDone) -> Result<Vec<BlockKey>, ClientError> {
-    to_keys(&done.missing)
 }

@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use kvtier_client::{Client, PoolHandle};
+use kvtier_client::{Client, LoadEvent, PoolHandle, Tier, WireTiming};
 use kvtier_core::BlockKey;
 use kvtier_transfer::CpuDevicePool;
 
@@ -40,13 +40,13 @@ pub struct Window {
 }
 
 impl Window {
-    fn of(sent: Instant, t: Option<&kvtier_server::proto::TransferTiming>, bytes: u64) -> Option<Self> {
+    fn of(sent: Instant, t: Option<WireTiming>, bytes: u64) -> Option<Self> {
         let t = t?;
         (bytes > 0).then(|| Self {
-            start: sent + Duration::from_micros(t.queue_us),
-            end: sent + Duration::from_micros(t.latency_us),
+            start: sent + t.queue,
+            end: sent + t.latency,
             bytes,
-            active: Duration::from_micros(t.active_us),
+            active: t.active,
         })
     }
 }
@@ -370,9 +370,9 @@ impl SidecarLink {
         match r {
             Ok(tiers) => tiers
                 .iter()
-                .map_while(|t| match kvtier_server::proto::Tier::try_from(*t) {
-                    Ok(kvtier_server::proto::Tier::Host) => Some(TierHit::Host),
-                    Ok(kvtier_server::proto::Tier::Disk) => Some(TierHit::Disk),
+                .map_while(|t| match Tier::try_from(*t) {
+                    Ok(Tier::Host) => Some(TierHit::Host),
+                    Ok(Tier::Disk) => Some(TierHit::Disk),
                     _ => None,
                 })
                 .collect(),
@@ -396,30 +396,23 @@ impl SidecarLink {
         );
         let deadline = self.config.load_deadline;
         self.rt.spawn(async move {
-            use kvtier_server::proto::load_event::Event;
             let sent = Instant::now();
             let run = async {
                 let mut stream = c
                     .load(&p, &salt, &blocks, Some(deadline))
                     .await
                     .map_err(|e| e.to_string())?;
-                while let Some(ev) = stream.message().await.map_err(|e| e.to_string())? {
-                    match ev.event {
-                        Some(Event::LayerReady(l)) => {
-                            prog.update(|s| s.layers_ready = s.layers_ready.max(l.layer + 1))
+                while let Some(ev) = stream.next().await.map_err(|e| e.to_string())? {
+                    match ev {
+                        LoadEvent::LayerReady { layer } => {
+                            prog.update(|s| s.layers_ready = s.layers_ready.max(layer + 1))
                         }
-                        Some(Event::Missing(m)) => {
-                            let keys = kvtier_server::wire::unpack_keys("missing", &m.keys)
-                                .map_err(|e| e.to_string())?;
-                            prog.update(|s| s.missing.extend(keys));
-                        }
-                        Some(Event::Done(d)) => {
-                            let keys = kvtier_client::missing_keys(&d).map_err(|e| e.to_string())?;
-                            let w = Window::of(sent, d.timing.as_ref(), d.bytes);
+                        LoadEvent::Missing { keys } => prog.update(|s| s.missing.extend(keys)),
+                        LoadEvent::Done(d) => {
+                            let w = Window::of(sent, d.timing, d.bytes);
                             prog.update(|s| s.window = w);
-                            return Ok(keys);
+                            return Ok(d.missing);
                         }
-                        None => {}
                     }
                 }
                 Err("the load stream ended without a final report".to_owned())
@@ -477,7 +470,7 @@ impl SidecarLink {
             let sent = Instant::now();
             match c.store(&p, &salt, parent, &blocks).await {
                 Ok(r) => {
-                    if let Some(w) = Window::of(sent, r.timing.as_ref(), r.bytes) {
+                    if let Some(w) = Window::of(sent, r.timing.map(WireTiming::from), r.bytes) {
                         log.lock().unwrap_or_else(|e| e.into_inner()).push(w);
                     }
                 }
@@ -507,7 +500,7 @@ impl SidecarLink {
     ///
     /// # Errors
     /// Not connected, or the sidecar's refusal.
-    pub fn clear(&mut self, tier: kvtier_client::Tier) -> Result<(u64, u64), String> {
+    pub fn clear(&mut self, tier: Tier) -> Result<(u64, u64), String> {
         let conn = self.conn.as_ref().ok_or("the kvtier sidecar is not connected")?;
         let (mut c, p) = (conn.client.clone(), conn.pool.clone());
         self.rt

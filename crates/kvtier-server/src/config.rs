@@ -83,7 +83,7 @@ pub struct ListenConfig {
 impl Default for ListenConfig {
     fn default() -> Self {
         Self {
-            socket: default_socket(),
+            socket: kvtier_proto::default_socket_path(),
             tcp: None,
             tls_cert: None,
             tls_key: None,
@@ -94,14 +94,6 @@ impl Default for ListenConfig {
             shutdown_grace_ms: 10_000,
             rpc_threads: 0,
         }
-    }
-}
-
-fn default_socket() -> PathBuf {
-    match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(d) if !d.is_empty() => Path::new(&d).join("kvtier.sock"),
-        // SAFETY: getuid has no preconditions.
-        _ => PathBuf::from(format!("/tmp/kvtier-{}.sock", unsafe { libc::getuid() })),
     }
 }
 

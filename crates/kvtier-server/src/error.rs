@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use kvtier_core::{CoreError, ErrorKind, KvGeometry};
+use kvtier_proto::ProtoError;
 use kvtier_store::StoreError;
 use kvtier_transfer::TransferError;
 use tonic::{Code, Status};
@@ -21,14 +22,10 @@ pub enum ServerError {
     /// A pin id that is not held by this session.
     #[error("unknown pin {0}")]
     UnknownPin(u64),
-    /// A field of packed keys whose length is not a multiple of 16 bytes.
-    #[error("{field}: {len} bytes is not a whole number of 16-byte block keys")]
-    BadKeys {
-        /// Which field (`keys`, `parent`, `events[].key`).
-        field: &'static str,
-        /// Its length.
-        len: usize,
-    },
+    /// A request field that does not decode (packed keys of a bad length, an unknown dtype, a
+    /// missing geometry).
+    #[error(transparent)]
+    Proto(#[from] ProtoError),
     /// A request with nothing in it.
     #[error("empty {0}: give at least one block")]
     EmptyBatch(&'static str),
@@ -105,7 +102,7 @@ pub fn code_of(e: &ServerError) -> Code {
         ServerError::UnknownSession(_) | ServerError::UnknownPool(_) | ServerError::UnknownPin(_) => {
             Code::NotFound
         }
-        ServerError::BadKeys { .. }
+        ServerError::Proto(_)
         | ServerError::EmptyBatch(_)
         | ServerError::BatchTooLarge { .. }
         | ServerError::InvalidArgument(_) => Code::InvalidArgument,
@@ -148,10 +145,10 @@ mod tests {
         for (e, code) in [
             (ServerError::UnknownPool(3), Code::NotFound),
             (
-                ServerError::BadKeys {
+                ServerError::Proto(ProtoError::BadKeys {
                     field: "keys",
                     len: 15,
-                },
+                }),
                 Code::InvalidArgument,
             ),
             (

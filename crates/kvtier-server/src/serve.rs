@@ -13,11 +13,11 @@ use tokio::sync::{oneshot, watch};
 use tonic::transport::{Identity, Server, ServerTlsConfig};
 use tonic::{Request, Status};
 
-use crate::proto::kv_tier_server::KvTierServer;
 use crate::service::KvTierService;
 use crate::state::ServerState;
 use crate::stats::Snapshot;
 use crate::{ServerConfig, ServerError, metric_names};
+use kvtier_proto::proto::kv_tier_server::KvTierServer;
 
 /// Where a running sidecar listens, handed to the caller once it accepts requests.
 #[derive(Debug, Clone)]
@@ -73,7 +73,7 @@ pub async fn serve(
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<KvTierServer<KvTierService>>().await;
     let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(kvtier_proto::proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .map_err(|e| ServerError::Config(format!("reflection: {e}")))?;

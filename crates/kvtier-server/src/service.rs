@@ -9,7 +9,10 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use kvtier_core::{BlockHasher, BlockKey, Dtype, KvGeometry};
+use kvtier_core::{BlockHasher, BlockKey};
+use kvtier_proto::proto::{self, kv_tier_server::KvTier};
+use kvtier_proto::wire::{pack_keys, unpack_key, unpack_keys, unpack_one_key};
+use kvtier_proto::{LoadDone, WireTiming, geometry_from_proto};
 use kvtier_store::BlockTier;
 use kvtier_transfer::{
     CpuDevicePool, DevicePool, EventSink, InflightBlocks, LoadBlock, LoadEvent, LoadHandle, StoreBlock,
@@ -23,9 +26,7 @@ use tonic::{Code, Request, Response, Status};
 use crate::ServerError;
 use crate::error::code_of;
 use crate::metric_names as m;
-use crate::proto::{self, kv_tier_server::KvTier};
 use crate::state::{PoolEntry, Residency, ServerState, SessionGuard};
-use crate::wire::{pack_keys, unpack_key, unpack_keys};
 
 /// The gRPC service. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -94,58 +95,6 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| ServerError::InvalidArgument(format!("request handler failed: {e}")))?
 }
 
-pub(crate) fn geometry_to_proto(g: &KvGeometry) -> proto::KvGeometry {
-    proto::KvGeometry {
-        layers: g.layers(),
-        kv_heads: g.kv_heads(),
-        head_dim: g.head_dim(),
-        dtype: dtype_to_proto(g.dtype()) as i32,
-        block_tokens: g.block_tokens(),
-    }
-}
-
-fn dtype_to_proto(d: Dtype) -> proto::Dtype {
-    match d {
-        Dtype::F32 => proto::Dtype::F32,
-        Dtype::F16 => proto::Dtype::F16,
-        Dtype::Bf16 => proto::Dtype::Bf16,
-        Dtype::Fp8E4m3 => proto::Dtype::Fp8E4m3,
-        Dtype::Fp8E5m2 => proto::Dtype::Fp8E5m2,
-        _ => proto::Dtype::Unspecified,
-    }
-}
-
-fn geometry_from_proto(g: Option<&proto::KvGeometry>) -> Result<KvGeometry, ServerError> {
-    let g = g.ok_or_else(|| ServerError::InvalidArgument("geometry is required".into()))?;
-    let dtype = match proto::Dtype::try_from(g.dtype) {
-        Ok(proto::Dtype::F32) => Dtype::F32,
-        Ok(proto::Dtype::F16) => Dtype::F16,
-        Ok(proto::Dtype::Bf16) => Dtype::Bf16,
-        Ok(proto::Dtype::Fp8E4m3) => Dtype::Fp8E4m3,
-        Ok(proto::Dtype::Fp8E5m2) => Dtype::Fp8E5m2,
-        _ => {
-            return Err(ServerError::InvalidArgument(format!(
-                "geometry.dtype {} is not a known dtype",
-                g.dtype
-            )));
-        }
-    };
-    Ok(KvGeometry::new(
-        g.layers,
-        g.kv_heads,
-        g.head_dim,
-        dtype,
-        g.block_tokens,
-    )?)
-}
-
-fn key(field: &'static str, bytes: &[u8]) -> Result<BlockKey, ServerError> {
-    BlockKey::from_le_slice(bytes).ok_or(ServerError::BadKeys {
-        field,
-        len: bytes.len(),
-    })
-}
-
 /// Keys and their slots, which must pair up.
 fn keys_and_slots(keys: &[u8], slots: &[u32]) -> Result<Vec<(BlockKey, u32)>, ServerError> {
     let keys = unpack_keys("keys", keys)?;
@@ -159,15 +108,15 @@ fn keys_and_slots(keys: &[u8], slots: &[u32]) -> Result<Vec<(BlockKey, u32)>, Se
     Ok(keys.into_iter().zip(slots.iter().copied()).collect())
 }
 
-fn timing_to_proto(t: &TransferTiming) -> proto::TransferTiming {
-    let us = |d: Duration| d.as_micros() as u64;
-    proto::TransferTiming {
-        queue_us: t
+/// The wire form of a transfer's timing: its queues' instants as durations from acceptance.
+fn wire_timing(t: &TransferTiming) -> WireTiming {
+    WireTiming {
+        queue: t
             .first_copy_start
-            .map_or(0, |s| us(s.saturating_duration_since(t.submitted))),
-        latency_us: us(t.latency()),
-        span_us: us(t.span()),
-        active_us: us(t.active),
+            .map_or(Duration::ZERO, |s| s.saturating_duration_since(t.submitted)),
+        latency: t.latency(),
+        span: t.span(),
+        active: t.active,
     }
 }
 
@@ -260,7 +209,7 @@ impl KvTier for KvTierService {
             let opened = proto::SessionEvent {
                 event: Some(proto::session_event::Event::Opened(proto::SessionOpened {
                     session_id: guard.id(),
-                    geometry: Some(geometry_to_proto(&self.state.geometry)),
+                    geometry: Some(self.state.geometry.into()),
                 })),
             };
             tx.try_send(Ok(opened)).map_err(|_| ServerError::ShuttingDown)?;
@@ -531,7 +480,7 @@ impl KvTier for KvTierService {
                 already_stored: report.already_stored as u32,
                 no_space: pack_keys(&report.no_space),
                 bytes: report.bytes,
-                timing: Some(timing_to_proto(&report.timing)),
+                timing: Some(wire_timing(&report.timing).into()),
             })
         })
         .await
@@ -556,10 +505,10 @@ impl KvTier for KvTierService {
                                 num_slots: slots,
                             }));
                         }
-                        Residency::Stored(key("events[].key", &e.key)?, e.slot)
+                        Residency::Stored(unpack_one_key("events[].key", &e.key)?, e.slot)
                     }
                     Ok(proto::device_event::Kind::Removed) => {
-                        Residency::Removed(key("events[].key", &e.key)?)
+                        Residency::Removed(unpack_one_key("events[].key", &e.key)?)
                     }
                     Ok(proto::device_event::Kind::Cleared) => Residency::Cleared,
                     _ => {
@@ -701,10 +650,8 @@ impl Stream for LoadEvents {
             return Poll::Ready(None);
         }
         if !this.announce.is_empty() {
-            let keys = pack_keys(&std::mem::take(&mut this.announce));
-            return Poll::Ready(Some(Ok(proto::LoadEvent {
-                event: Some(proto::load_event::Event::Missing(proto::BlocksMissing { keys })),
-            })));
+            let keys = std::mem::take(&mut this.announce);
+            return Poll::Ready(Some(Ok(kvtier_proto::LoadEvent::Missing { keys }.into())));
         }
         // An event already delivered wins over a deadline that passed meanwhile.
         let ev = match this.rx.poll_recv(cx) {
@@ -721,18 +668,9 @@ impl Stream for LoadEvents {
                 return Poll::Ready(Some(Err(Status::from(ServerError::DeadlineExceeded(*ms)))));
             }
         };
-        let ev_of = |e| proto::LoadEvent { event: Some(e) };
         Poll::Ready(Some(match ev {
-            LoadEvent::LayerReady { layer } => {
-                Ok(ev_of(proto::load_event::Event::LayerReady(proto::LayerReady {
-                    layer,
-                })))
-            }
-            LoadEvent::Missing { keys } => {
-                Ok(ev_of(proto::load_event::Event::Missing(proto::BlocksMissing {
-                    keys: pack_keys(&keys),
-                })))
-            }
+            LoadEvent::LayerReady { layer } => Ok(kvtier_proto::LoadEvent::LayerReady { layer }.into()),
+            LoadEvent::Missing { keys } => Ok(kvtier_proto::LoadEvent::Missing { keys }.into()),
             LoadEvent::Done(r) => {
                 this.done = true;
                 this.handle.disarm();
@@ -740,13 +678,14 @@ impl Stream for LoadEvents {
                     histogram!(m::TRANSFER_SECONDS, "route" => "host_to_device")
                         .record(r.timing.span().as_secs_f64());
                     counter!(m::MISSING_BLOCKS).increment(r.missing.len() as u64);
-                    ev_of(proto::load_event::Event::Done(proto::LoadDone {
+                    kvtier_proto::LoadEvent::Done(LoadDone {
                         loaded_blocks: r.loaded_blocks as u32,
                         disk_blocks: r.disk_blocks as u32,
-                        missing: pack_keys(&r.missing),
+                        timing: Some(wire_timing(&r.timing)),
+                        missing: r.missing,
                         bytes: r.bytes,
-                        timing: Some(timing_to_proto(&r.timing)),
-                    }))
+                    })
+                    .into()
                 })
                 .map_err(|e| Status::from(ServerError::Transfer(e)))
             }

@@ -8,8 +8,8 @@ use metrics::{counter, gauge};
 use serde::Serialize;
 
 use crate::metric_names as m;
-use crate::proto;
 use crate::state::{ServerState, SessionStats};
+use kvtier_proto::proto;
 
 /// Every figure of the sidecar at one moment.
 #[derive(Debug, Clone, Serialize)]
