@@ -42,15 +42,7 @@ fn batch_keys(b: usize) -> Vec<BlockKey> {
 }
 
 fn kv(key: BlockKey) -> Vec<u8> {
-    let mut x = key.0 as u64 | 1;
-    (0..geo().bytes_per_block())
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    kvtier_transfer::test_util::kv(key, 0, geo().bytes_per_block())
 }
 
 /// A writer process: stores batch after batch through the real queues with the `all` write

@@ -9,8 +9,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvtier_client::Client;
-use kvtier_core::{BlockKey, Dtype, KvGeometry};
+use kvtier_core::{Dtype, KvGeometry};
 use kvtier_transfer::CpuDevicePool;
+use kvtier_transfer::test_util::kv;
 
 const ROLE: &str = "KVTIER_TEST_SIDECAR_CLIENT";
 const BLOCKS: u32 = 2048;
@@ -18,18 +19,6 @@ const BLOCKS: u32 = 2048;
 /// 16 layers of 8 KiB block-layers: 128 KiB per block, 256 MiB for the big load.
 fn geometry() -> KvGeometry {
     KvGeometry::new(16, 2, 64, Dtype::Bf16, 16).unwrap()
-}
-
-fn kv(key: BlockKey, layer: u32, len: usize) -> Vec<u8> {
-    let mut x = (key.0 as u64) ^ u64::from(layer) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 /// The client process: registers a pool, stores, matches, loads and checks a few blocks, then

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use kvtier_core::{BlockKey, ByteSize, Dtype, KvGeometry};
+use kvtier_core::{ByteSize, Dtype, KvGeometry};
 use kvtier_server::{ServeInfo, ServerConfig, ServerError, ServerState};
 use tokio::sync::oneshot;
 
@@ -72,18 +72,8 @@ impl Sidecar {
     }
 }
 
-/// Deterministic KV bytes of `key` in `layer`.
-pub fn kv(key: BlockKey, layer: u32, len: usize) -> Vec<u8> {
-    let mut x = (key.0 as u64) ^ (u64::from(layer) << 48) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
+/// Deterministic KV bytes of a block in a layer: the fixture every crate's tests share.
+pub use kvtier_transfer::test_util::kv;
 
 /// `kvtier serve` as a real process on a socket in `dir`, for `geometry()`, killed on drop.
 pub struct ServeProcess {
