@@ -770,14 +770,7 @@ impl Inner {
         let len = HEADER_BYTES as u64 + u64::from(self.slots_per_region) * self.entry_stride;
         let fail = |e: io::Error, op| {
             let _ = std::fs::remove_file(&path);
-            if is_full(&e) {
-                StoreError::DiskFull {
-                    path: path.clone(),
-                    source: e,
-                }
-            } else {
-                StoreError::io(op, &path, e)
-            }
+            full_or(e, op)
         };
         // Reserve the whole region now: a full disk fails here, not in the middle of a block.
         // SAFETY: fallocate on an open descriptor with a valid range.
