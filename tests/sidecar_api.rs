@@ -29,34 +29,12 @@ async fn engine(sidecar: &Sidecar, slots: u32) -> Engine {
 
 impl Engine {
     fn write(&self, keys: &[BlockKey], first_slot: u32) {
-        let g = geometry();
-        for (i, &k) in keys.iter().enumerate() {
-            for layer in 0..g.layers() {
-                self.pool
-                    .write_slot_layer(
-                        first_slot + i as u32,
-                        layer,
-                        &kv(k, layer, g.bytes_per_block_layer()),
-                    )
-                    .unwrap();
-            }
-        }
+        write_kv(&self.pool, keys, first_slot);
     }
 
     fn check(&self, keys: &[BlockKey], first_slot: u32) {
-        let g = geometry();
-        let mut buf = vec![0u8; g.bytes_per_block_layer()];
-        for (i, &k) in keys.iter().enumerate() {
-            for layer in 0..g.layers() {
-                self.pool
-                    .read_slot_layer(first_slot + i as u32, layer, &mut buf)
-                    .unwrap();
-                assert!(
-                    buf == kv(k, layer, buf.len()),
-                    "slot {} layer {layer}",
-                    first_slot + i as u32
-                );
-            }
+        if let Some((slot, layer)) = first_wrong_kv(&self.pool, keys, first_slot) {
+            panic!("slot {slot} layer {layer}");
         }
     }
 

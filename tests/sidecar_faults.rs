@@ -16,6 +16,8 @@ use tonic::Code;
 
 /// A client with its own pool file, and the blocks it stored from slots `0..n`.
 struct Engine {
+    /// Also the cache salt: every engine has its own namespace.
+    name: String,
     client: Client,
     pool: CpuDevicePool,
     handle: PoolHandle,
@@ -32,6 +34,7 @@ impl Engine {
             .collect();
         let keys = handle.keys(name, &tokens).unwrap();
         let mut e = Engine {
+            name: name.to_owned(),
             client,
             pool,
             handle,
@@ -39,21 +42,6 @@ impl Engine {
         };
         e.store_all(0).await;
         e
-    }
-
-    fn write(&self, first_slot: u32) {
-        let g = geometry();
-        for (i, &k) in self.keys.iter().enumerate() {
-            for layer in 0..g.layers() {
-                self.pool
-                    .write_slot_layer(
-                        first_slot + i as u32,
-                        layer,
-                        &kv(k, layer, g.bytes_per_block_layer()),
-                    )
-                    .unwrap();
-            }
-        }
     }
 
     fn slots(&self, first_slot: u32) -> Vec<(BlockKey, u32)> {
@@ -66,8 +54,8 @@ impl Engine {
 
     /// Stores every block from slots `first_slot..`, in runs of 64 (one request each).
     async fn store_all(&mut self, first_slot: u32) {
-        self.write(first_slot);
-        let name = self.client_name();
+        write_kv(&self.pool, &self.keys, first_slot);
+        let name = self.name.clone();
         let run = self.slots(first_slot);
         let mut parent = None;
         for chunk in run.chunks(64) {
@@ -81,19 +69,8 @@ impl Engine {
         }
     }
 
-    fn client_name(&self) -> String {
-        // The salt is the engine's name: every engine has its own namespace.
-        self.pool
-            .path()
-            .and_then(|p| p.file_name())
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.strip_prefix("pool-"))
-            .unwrap()
-            .to_owned()
-    }
-
     async fn load(&mut self, first_slot: u32) -> Result<u32, ClientError> {
-        let name = self.client_name();
+        let name = self.name.clone();
         let blocks = self.slots(first_slot);
         let out = self.client.load_all(&self.handle, &name, &blocks, None).await?;
         Ok(out.done.loaded_blocks)
@@ -101,16 +78,7 @@ impl Engine {
 
     /// Whether slots `first_slot..` hold exactly the stored blocks.
     fn holds(&self, first_slot: u32) -> bool {
-        let g = geometry();
-        let mut buf = vec![0u8; g.bytes_per_block_layer()];
-        self.keys.iter().enumerate().all(|(i, &k)| {
-            (0..g.layers()).all(|layer| {
-                self.pool
-                    .read_slot_layer(first_slot + i as u32, layer, &mut buf)
-                    .unwrap();
-                buf == kv(k, layer, buf.len())
-            })
-        })
+        first_wrong_kv(&self.pool, &self.keys, first_slot).is_none()
     }
 }
 
@@ -163,7 +131,7 @@ fn a_client_that_shrinks_or_replaces_its_pool_file_fails_alone() {
             unusable(Err::<(), _>(e), "");
         }
         unusable(shrunk.load(128).await, "shrank to 4096");
-        let name = shrunk.client_name();
+        let name = shrunk.name.clone();
         let run = shrunk.slots(0);
         unusable(
             shrunk.client.store(&shrunk.handle, &name, None, &run[..8]).await,

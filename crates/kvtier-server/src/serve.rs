@@ -199,10 +199,13 @@ pub async fn serve(
     }
     if let Some(d) = state.store.disk() {
         let d = d.clone();
-        match tokio::task::spawn_blocking(move || d.flush().map(|()| d.stats().entries)).await {
-            Ok(Ok(entries)) => tracing::info!(entries, "disk tier flushed"),
-            Ok(Err(e)) => tracing::warn!(error = %e, "disk tier flush failed"),
-            Err(e) => tracing::warn!(error = %e, "disk tier flush failed"),
+        let flushed = tokio::task::spawn_blocking(move || d.flush().map(|()| d.stats().entries))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        match flushed {
+            Ok(entries) => tracing::info!(entries, "disk tier flushed"),
+            Err(error) => tracing::warn!(%error, "disk tier flush failed"),
         }
     }
     let _ = std::fs::remove_file(&socket);

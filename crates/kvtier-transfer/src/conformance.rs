@@ -396,13 +396,16 @@ pub fn pinned_is_never_evicted(subject: &dyn TierSubject) -> CheckResult {
 
 /// A block damaged at rest is never served: it is a miss, and it is counted.
 pub fn damaged_at_rest_is_a_miss_and_counted(subject: &dyn TierSubject) -> CheckResult {
+    if !subject.persistent() {
+        return Ok(()); // nothing at rest: host memory only
+    }
     let r = rig(subject);
     let ks = keys_in(A, 16, 6, 16);
     store(&r, A, &ks, 0)?;
     r.host.clear(None);
-    if !subject.damage_at_rest() {
-        return Ok(()); // nothing at rest: host memory only
-    }
+    ensure(subject.damage_at_rest(), || {
+        "a persistent subject damaged nothing".into()
+    })?;
     let before = r.store.disk().map_or(0, |d| d.stats().corrupt_total);
     let (loaded, _, missing) = load(&r, A, &ks, 100)?;
     ensure((loaded, missing) == (0, 16), || {
