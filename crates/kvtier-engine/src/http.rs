@@ -21,7 +21,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::StreamExt;
 
-use crate::engine::{FinishReason, GenRequest, SeqEvent, Usage};
+use crate::request::{FinishReason, GenRequest, SeqEvent, Usage};
 use crate::sampling::Sampling;
 use crate::text_codec::TextCodec;
 use crate::{Engine, EngineError};

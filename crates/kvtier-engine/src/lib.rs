@@ -10,25 +10,28 @@
 #![warn(missing_docs)]
 
 pub mod engine;
+mod engine_config;
 mod error;
 pub mod http;
 pub mod kv_pages;
 pub mod metrics;
 pub mod model;
 mod model_config;
+pub mod request;
 pub mod sampling;
+mod scheduler;
 pub mod sidecar_link;
 pub mod slot_cache;
 pub mod text_codec;
 mod weights;
 
-pub use engine::{
-    CachedTokens, Engine, EngineConfig, EngineStats, FinishReason, GenRequest, KvReuse, SeqEvent, Usage,
-};
+pub use engine::{Engine, EngineStats};
+pub use engine_config::{EngineConfig, KvReuse};
 pub use error::EngineError;
 pub use kv_pages::KvPages;
 pub use model::{Model, SeqChunk};
 pub use model_config::{Mlp, ModelConfig, PRESETS};
+pub use request::{CachedTokens, FinishReason, GenRequest, SeqEvent, TransferSpan, Transfers, Usage};
 pub use sampling::Sampling;
 pub use text_codec::TextCodec;
 pub use weights::{FfnWeights, LayerWeights, MlpWeights, Weights, load_model};

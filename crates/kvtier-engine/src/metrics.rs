@@ -4,7 +4,7 @@
 
 use metrics::{counter, gauge, histogram};
 
-use crate::engine::Usage;
+use crate::request::Usage;
 
 /// Requests finished.
 pub const REQUESTS: &str = "kvtier_engine_requests_total";

@@ -13,14 +13,18 @@
 mod config;
 mod error;
 pub mod metric_names;
+mod pool_registry;
 mod serve;
 mod service;
+mod session;
 mod state;
 mod stats;
 
 pub use config::{ListenConfig, ModelConfig, ServerConfig};
 pub use error::{ServerError, code_of};
+pub use pool_registry::{PoolEntry, Residency};
 pub use serve::{ServeInfo, serve};
 pub use service::KvTierService;
-pub use state::{PoolEntry, Residency, ServerState, SessionGuard, SessionStats};
+pub use session::{SessionGuard, SessionStats, Sessions};
+pub use state::ServerState;
 pub use stats::Snapshot;

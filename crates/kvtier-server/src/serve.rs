@@ -85,7 +85,7 @@ pub async fn serve(
         let mut tick = tokio::time::interval(Duration::from_millis(250));
         loop {
             tokio::select! {
-                _ = tick.tick() => { expiry_state.expire_pins(std::time::Instant::now()); }
+                _ = tick.tick() => { expiry_state.sessions.expire_pins(std::time::Instant::now()); }
                 _ = expiry_stop.changed() => return,
             }
         }
@@ -177,7 +177,7 @@ pub async fn serve(
             "requests still running at the end of the grace period"
         );
     }
-    state.close_all_sessions();
+    state.sessions.close_all();
     let drain = Arc::clone(&state);
     let drained = tokio::task::spawn_blocking(move || {
         drain.queues.load.wait_idle();

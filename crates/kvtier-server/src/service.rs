@@ -26,7 +26,9 @@ use tonic::{Code, Request, Response, Status};
 use crate::ServerError;
 use crate::error::code_of;
 use crate::metric_names as m;
-use crate::state::{PoolEntry, Residency, ServerState, SessionGuard};
+use crate::pool_registry::{PoolEntry, Residency};
+use crate::session::SessionStream;
+use crate::state::ServerState;
 
 /// The gRPC service. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -178,19 +180,6 @@ enum Found {
     Tier(BlockTier),
 }
 
-/// The session stream: events until the client goes away; dropping it closes the session.
-struct SessionStream {
-    rx: mpsc::Receiver<Result<proto::SessionEvent, Status>>,
-    _guard: SessionGuard,
-}
-
-impl Stream for SessionStream {
-    type Item = Result<proto::SessionEvent, Status>;
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.rx.poll_recv(cx)
-    }
-}
-
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
 #[tonic::async_trait]
@@ -204,7 +193,7 @@ impl KvTier for KvTierService {
     ) -> Result<Response<Self::OpenSessionStream>, Status> {
         observed("OpenSession", async {
             self.refuse_if_shutting_down()?;
-            let guard = self.state.open_session(&request.get_ref().client_name);
+            let guard = self.state.sessions.open(&request.get_ref().client_name);
             let (tx, rx) = mpsc::channel(4);
             let opened = proto::SessionEvent {
                 event: Some(proto::session_event::Event::Opened(proto::SessionOpened {
@@ -251,7 +240,7 @@ impl KvTier for KvTierService {
         observed("RegisterPool", async {
             self.refuse_if_shutting_down()?;
             let r = request.into_inner();
-            self.state.check_session(r.session_id)?;
+            self.state.sessions.check(r.session_id)?;
             let claimed = geometry_from_proto(r.geometry.as_ref())?;
             if claimed != self.state.geometry {
                 return Err(ServerError::GeometryMismatch {
@@ -279,9 +268,14 @@ impl KvTier for KvTierService {
             .await?;
             let device: Arc<dyn DevicePool> = Arc::new(pool);
             let tp_size = r.tp_size.max(1);
-            let entry = self
-                .state
-                .register_pool(r.session_id, device, r.model_id, r.tp_rank, tp_size)?;
+            let entry = self.state.sessions.register_pool(
+                r.session_id,
+                self.state.geometry,
+                device,
+                r.model_id,
+                r.tp_rank,
+                tp_size,
+            )?;
             let ns = entry.namespace(self.state.geometry, "")?;
             tracing::info!(
                 session = r.session_id,
@@ -303,7 +297,7 @@ impl KvTier for KvTierService {
     ) -> Result<Response<proto::UnregisterPoolResponse>, Status> {
         observed("UnregisterPool", async {
             let r = request.into_inner();
-            self.state.unregister_pool(r.session_id, r.pool_id)?;
+            self.state.sessions.unregister_pool(r.session_id, r.pool_id)?;
             Ok(proto::UnregisterPoolResponse {})
         })
         .await
@@ -315,7 +309,7 @@ impl KvTier for KvTierService {
     ) -> Result<Response<proto::MatchResponse>, Status> {
         observed("Match", async {
             let r = request.into_inner();
-            let pool = self.state.pool(r.session_id, r.pool_id)?;
+            let pool = self.state.sessions.pool(r.session_id, r.pool_id)?;
             let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
             let from_tokens = !r.token_ids.is_empty();
             let keys: Vec<BlockKey> = match (r.keys.is_empty(), from_tokens) {
@@ -383,7 +377,7 @@ impl KvTier for KvTierService {
         observed("Load", async {
             self.refuse_if_shutting_down()?;
             let r = request.into_inner();
-            let pool = self.state.pool(r.session_id, r.pool_id)?;
+            let pool = self.state.sessions.pool(r.session_id, r.pool_id)?;
             let pairs = keys_and_slots(&r.keys, &r.slots)?;
             self.check_batch("keys", pairs.len())?;
             let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
@@ -443,7 +437,7 @@ impl KvTier for KvTierService {
         observed("Store", async {
             self.refuse_if_shutting_down()?;
             let r = request.into_inner();
-            let pool = self.state.pool(r.session_id, r.pool_id)?;
+            let pool = self.state.sessions.pool(r.session_id, r.pool_id)?;
             let pairs = keys_and_slots(&r.keys, &r.slots)?;
             self.check_batch("keys", pairs.len())?;
             let mut parent = unpack_key("parent", &r.parent)?;
@@ -492,7 +486,7 @@ impl KvTier for KvTierService {
     ) -> Result<Response<proto::DeviceEventsResponse>, Status> {
         observed("DeviceEvents", async {
             let r = request.into_inner();
-            let pool = self.state.pool(r.session_id, r.pool_id)?;
+            let pool = self.state.sessions.pool(r.session_id, r.pool_id)?;
             self.check_batch("events", r.events.len())?;
             let slots = pool.device.num_slots();
             let mut changes = Vec::with_capacity(r.events.len());
@@ -531,7 +525,7 @@ impl KvTier for KvTierService {
     async fn pin(&self, request: Request<proto::PinRequest>) -> Result<Response<proto::PinResponse>, Status> {
         observed("Pin", async {
             let r = request.into_inner();
-            let pool = self.state.pool(r.session_id, r.pool_id)?;
+            let pool = self.state.sessions.pool(r.session_id, r.pool_id)?;
             let keys = unpack_keys("keys", &r.keys)?;
             self.check_batch("keys", keys.len())?;
             let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
@@ -545,7 +539,7 @@ impl KvTier for KvTierService {
             }
             let pinned = pages.len() as u32;
             let expires = (r.ttl_ms > 0).then(|| Instant::now() + Duration::from_millis(r.ttl_ms));
-            let pin_id = self.state.add_pin(r.session_id, pages, expires)?;
+            let pin_id = self.state.sessions.add_pin(r.session_id, pages, expires)?;
             Ok(proto::PinResponse {
                 pin_id,
                 pinned_blocks: pinned,
@@ -561,7 +555,7 @@ impl KvTier for KvTierService {
     ) -> Result<Response<proto::UnpinResponse>, Status> {
         observed("Unpin", async {
             let r = request.into_inner();
-            let released = self.state.unpin(r.session_id, r.pin_id)?;
+            let released = self.state.sessions.unpin(r.session_id, r.pin_id)?;
             Ok(proto::UnpinResponse {
                 released_blocks: released as u32,
             })
@@ -576,10 +570,10 @@ impl KvTier for KvTierService {
         observed("Clear", async {
             let r = request.into_inner();
             let ns = if r.all {
-                self.state.check_session(r.session_id)?;
+                self.state.sessions.check(r.session_id)?;
                 None
             } else {
-                let pool = self.state.pool(r.session_id, r.pool_id)?;
+                let pool = self.state.sessions.pool(r.session_id, r.pool_id)?;
                 Some(pool.namespace(self.state.geometry, &r.cache_salt)?)
             };
             let (host_tier, disk_tier) = match proto::Tier::try_from(r.tier) {

@@ -8,7 +8,8 @@ use metrics::{counter, gauge};
 use serde::Serialize;
 
 use crate::metric_names as m;
-use crate::state::{ServerState, SessionStats};
+use crate::session::SessionStats;
+use crate::state::ServerState;
 use kvtier_proto::proto;
 
 /// Every figure of the sidecar at one moment.
@@ -34,7 +35,7 @@ impl Snapshot {
             load_queue: state.queues.load.stats(),
             store_queue: state.queues.store.stats(),
             routes: state.queues.routes(),
-            sessions: state.session_stats(),
+            sessions: state.sessions.stats(),
         }
     }
 

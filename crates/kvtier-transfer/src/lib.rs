@@ -16,11 +16,12 @@ mod error;
 mod event_sink;
 mod load_queue;
 mod queue_core;
+mod route;
 mod store_queue;
 mod transfer_job;
 mod transfer_queues;
 mod transfer_timing;
-mod worker_pool;
+mod worker_threads;
 
 #[cfg(feature = "test-util")]
 pub mod conformance;
@@ -31,7 +32,8 @@ pub use device_pool::{CpuDevicePool, DevicePool, POOL_HEADER_BYTES};
 pub use error::TransferError;
 pub use event_sink::EventSink;
 pub use load_queue::{InflightBlocks, LoadBlock, LoadEvent, LoadHandle, LoadQueue, LoadReport, LoadTicket};
-pub use queue_core::{QueueStats, Route, RouteFigures, RouteStats};
+pub use queue_core::QueueStats;
+pub use route::{Route, RouteFigures, RouteStats};
 pub use store_queue::{
     PersistReport, StoreBlock, StoreEvent, StoreHandle, StoreQueue, StoreReport, StoreTicket,
 };

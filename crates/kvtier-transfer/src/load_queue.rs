@@ -11,10 +11,11 @@ use kvtier_store::{DiskTier, HostTier, PageWriter, PinnedPage, Reservation, Stor
 
 use crate::disk_io_gate::{DiskIoGate, PendingReads};
 use crate::event_sink::EventSink;
-use crate::queue_core::{QueueCore, QueueCounters, QueueStats, Route, Routes};
+use crate::queue_core::{QueueCore, QueueCounters, QueueStats};
+use crate::route::{Route, Routes};
 use crate::transfer_job::{CancelOnDrop, ChunkPlan, Continuation, JobCore, lock, validate_request};
 use crate::transfer_timing::TransferTiming;
-use crate::worker_pool::{ChunkedJob, WorkerHandle};
+use crate::worker_threads::{ChunkedJob, WorkerHandle};
 use crate::{DevicePool, TransferConfig, TransferError};
 
 /// One block to load: block `key` into device `slot`.

@@ -13,10 +13,11 @@ use kvtier_store::{
 
 use crate::disk_io_gate::DiskIoGate;
 use crate::event_sink::EventSink;
-use crate::queue_core::{QueueCore, QueueCounters, QueueStats, Route, Routes};
+use crate::queue_core::{QueueCore, QueueCounters, QueueStats};
+use crate::route::{Route, Routes};
 use crate::transfer_job::{CancelOnDrop, ChunkPlan, Continuation, JobCore, lock, validate_request};
 use crate::transfer_timing::TransferTiming;
-use crate::worker_pool::{ChunkedJob, WorkerHandle};
+use crate::worker_threads::{ChunkedJob, WorkerHandle};
 use crate::{DevicePool, TransferConfig, TransferError};
 
 /// One block to store: device `slot` holds block `key`, whose prefix block is `parent`.

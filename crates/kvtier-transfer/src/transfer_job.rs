@@ -10,7 +10,7 @@ use std::time::Instant;
 use kvtier_core::KvGeometry;
 
 use crate::transfer_timing::{TimingRecorder, TransferTiming};
-use crate::worker_pool::JobToken;
+use crate::worker_threads::JobToken;
 use crate::{DevicePool, TransferError};
 
 /// How a job's block-layer copies are cut into chunks: layer-major (every chunk of layer 0,

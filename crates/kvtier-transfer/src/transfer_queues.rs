@@ -7,7 +7,7 @@ use kvtier_store::{PrefixMatch, TieredStore};
 use serde::{Deserialize, Serialize};
 
 use crate::disk_io_gate::DiskIoGate;
-use crate::queue_core::{RouteStats, Routes};
+use crate::route::{RouteStats, Routes};
 use crate::{LoadQueue, StoreQueue, TransferError};
 
 /// Configuration of the transfer queues (plain data; defaults documented per field).

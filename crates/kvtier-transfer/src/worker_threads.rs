@@ -84,20 +84,20 @@ struct Shared {
 }
 
 /// A fixed set of named OS threads serving one queue.
-pub(crate) struct WorkerPool {
+pub(crate) struct WorkerThreads {
     shared: Arc<Shared>,
     handles: Vec<JoinHandle<()>>,
 }
 
-impl fmt::Debug for WorkerPool {
+impl fmt::Debug for WorkerThreads {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("WorkerPool")
+        f.debug_struct("WorkerThreads")
             .field("threads", &self.handles.len())
             .finish()
     }
 }
 
-impl WorkerPool {
+impl WorkerThreads {
     /// Starts `threads` workers named `kvtier-{name}-{i}`, at scheduling niceness `nice`
     /// (0 = unchanged; positive values yield the CPU to other queues' workers).
     pub(crate) fn new(name: &str, threads: usize, nice: i32) -> std::io::Result<Self> {
@@ -141,7 +141,7 @@ impl WorkerPool {
     }
 }
 
-/// Queues jobs on a [`WorkerPool`]; after the pool shut down, jobs are dropped instead (which
+/// Queues jobs on a [`WorkerThreads`]; after the threads shut down, jobs are dropped instead (which
 /// releases what they hold and tells their requesters).
 #[derive(Clone)]
 pub(crate) struct WorkerHandle(Arc<Shared>);
@@ -186,7 +186,7 @@ impl WorkerHandle {
     }
 }
 
-impl Drop for WorkerPool {
+impl Drop for WorkerThreads {
     /// Stops the workers after their current chunk; queued jobs are discarded, which releases
     /// their pins and pages and tells their requesters the queue shut down.
     fn drop(&mut self) {

@@ -1,0 +1,124 @@
+//! What goes into the engine and what comes out: a [`GenRequest`], its [`SeqEvent`]s, and the
+//! [`Usage`] (counts, timings, kvtier transfers) of a finished request.
+
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use crate::sampling::Sampling;
+use crate::sidecar_link::Window;
+
+/// One generation request.
+#[derive(Debug, Clone)]
+pub struct GenRequest {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most (≥ 1).
+    pub max_tokens: usize,
+    /// Sampling.
+    pub sampling: Sampling,
+    /// Keep generating past end-of-sequence tokens (benchmarks do).
+    pub ignore_eos: bool,
+    /// Tenant isolation: prefixes are shared only under the same salt.
+    pub cache_salt: String,
+}
+
+/// Prompt tokens served from each place.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CachedTokens {
+    /// From the engine's device pool (no copy).
+    pub device: usize,
+    /// Loaded from kvtier's host tier.
+    pub host: usize,
+    /// Loaded from kvtier's disk tier.
+    pub disk: usize,
+}
+
+impl CachedTokens {
+    /// All cached prompt tokens.
+    pub fn total(&self) -> usize {
+        self.device + self.host + self.disk
+    }
+}
+
+/// Why a sequence stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// `max_tokens` generated.
+    Length,
+    /// An end-of-sequence token.
+    Stop,
+}
+
+/// When a request's kvtier copies ran, relative to its arrival.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct TransferSpan {
+    /// First copy started, ms after arrival.
+    pub start_ms: f64,
+    /// Last copy finished, ms after arrival.
+    pub end_ms: f64,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Sum of the copies' own durations, ms.
+    pub active_ms: f64,
+}
+
+impl TransferSpan {
+    pub(crate) fn of(arrived: Instant, windows: &[Window]) -> Option<Self> {
+        let start = windows.iter().map(|w| w.start).min()?;
+        let end = windows.iter().map(|w| w.end).max()?;
+        let ms = |t: Instant| t.saturating_duration_since(arrived).as_secs_f64() * 1e3;
+        Some(Self {
+            start_ms: ms(start),
+            end_ms: ms(end),
+            bytes: windows.iter().map(|w| w.bytes).sum(),
+            active_ms: windows.iter().map(|w| w.active.as_secs_f64() * 1e3).sum(),
+        })
+    }
+}
+
+/// A request's kvtier transfers: its prefix load (host/disk → device) and the stores of its
+/// new blocks (device → host) whose replies came before it finished.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Transfers {
+    /// The load, if the prefix came from kvtier.
+    pub load: Option<TransferSpan>,
+    /// The stores.
+    pub store: Option<TransferSpan>,
+}
+
+/// What a finished request used and how long it took.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Prompt tokens not recomputed, by source.
+    pub cached: CachedTokens,
+    /// Arrival → first token, ms.
+    pub ttft_ms: f64,
+    /// Mean time per output token after the first, ms.
+    pub tpot_ms: f64,
+    /// Arrival → last token, ms.
+    pub e2e_ms: f64,
+    /// kvtier transfers.
+    pub transfers: Transfers,
+}
+
+/// A request's output, in order: `Token`s, then one `Finished` (or one `Failed`).
+#[derive(Debug, Clone)]
+pub enum SeqEvent {
+    /// The next token.
+    Token(u32),
+    /// Generation ended.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Counts and timings.
+        usage: Usage,
+    },
+    /// The request could not be served (the message says why).
+    Failed(String),
+}
