@@ -7,10 +7,10 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use kvtier_bench::{
-    BenchTier, MatchBenchConfig, OffloadConfig, ProgressBar, RecoveryConfig, SidecarTarget, run_match,
-    run_offload, run_offload_sidecar, run_recovery,
+    MatchBenchConfig, OffloadConfig, ProgressBar, RecoveryConfig, SidecarTarget, run_match, run_offload,
+    run_offload_sidecar, run_recovery,
 };
-use kvtier_core::{BlockHasher, ByteSize, Dtype, KvGeometry, Namespace};
+use kvtier_core::{BlockHasher, ByteSize, Dtype, KvGeometry, Namespace, Tier};
 use kvtier_server::ServerConfig;
 use kvtier_store::{DirectIo, EvictionKind};
 use kvtier_transfer::TransferConfig;
@@ -199,7 +199,7 @@ struct OffloadArgs {
     /// Where the hit blocks are: `host` (loads host → device) or `disk` (host tier emptied
     /// before every batch: loads disk → host → device, stores device → host → disk).
     #[arg(long, default_value = "host")]
-    tier: BenchTier,
+    tier: Tier,
     /// With --tier disk: the directory whose disk to measure (a fresh subdirectory is made in
     /// it and removed afterwards; default: the system's temporary directory).
     #[arg(long)]
@@ -316,8 +316,8 @@ fn run(cli: Cli) -> Result<()> {
 fn bench_offload(a: OffloadArgs) -> Result<()> {
     let g = &a.geometry;
     let rounds = a.rounds.unwrap_or(match a.tier {
-        BenchTier::Host => 100,
-        BenchTier::Disk => 20,
+        Tier::Disk => 20,
+        Tier::Device | Tier::Host => 100,
     });
     let config = OffloadConfig {
         layers: g.layers,

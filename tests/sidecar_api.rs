@@ -6,8 +6,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use kvtier_client::{Client, PoolHandle};
-use kvtier_core::{BlockKey, Dtype, KvGeometry};
+use kvtier_client::{Client, MatchedBlock, PoolHandle};
+use kvtier_core::{BlockKey, Dtype, KvGeometry, Tier};
 use kvtier_proto::proto;
 use kvtier_transfer::CpuDevicePool;
 use tonic::Code;
@@ -72,21 +72,21 @@ async fn store_match_load_round_trip_bit_exact() {
     let by_tokens = e.client.match_tokens(&e.handle, "", &tokens).await.unwrap();
     let by_keys = e.client.match_keys(&e.handle, "", &keys).await.unwrap();
     assert_eq!(
-        (&by_tokens.tiers, by_tokens.matched_tokens),
-        (&by_keys.tiers, by_keys.matched_tokens)
+        (&by_tokens.blocks, by_tokens.matched_tokens),
+        (&by_keys.blocks, by_keys.matched_tokens)
     );
     assert_eq!(
-        kvtier_proto::wire::unpack_keys("keys", &by_tokens.keys).unwrap(),
+        by_tokens.keys,
         keys[..10].to_vec(),
         "token matches return their keys"
     );
     assert!(by_keys.keys.is_empty(), "key matches do not echo them");
-    assert_eq!(by_keys.tiers.len(), 10);
+    assert_eq!(by_keys.blocks.len(), 10);
     assert_eq!(
         (by_keys.matched_tokens, by_keys.host_tokens, by_keys.device_tokens),
         (160, 160, 0)
     );
-    assert!(by_keys.tiers.iter().all(|&t| t == proto::Tier::Host as i32));
+    assert!(by_keys.tiers().all(|t| t == Tier::Host));
     // Another tenant's salt matches nothing.
     assert_eq!(
         e.client
@@ -115,7 +115,14 @@ async fn store_match_load_round_trip_bit_exact() {
     assert_eq!(e.client.device_events(&e.handle, &resident).await.unwrap(), 3);
     let m = e.client.match_keys(&e.handle, "", &keys).await.unwrap();
     assert_eq!((m.device_tokens, m.host_tokens), (48, 112));
-    assert_eq!(m.device_slots[2], 22);
+    assert_eq!(
+        m.blocks[2],
+        MatchedBlock {
+            tier: Tier::Device,
+            device_slot: Some(22)
+        }
+    );
+    assert_eq!(m.blocks[3].device_slot, None);
     assert_eq!(
         e.client
             .device_events(&e.handle, &[(keys[0], None)])
@@ -313,7 +320,7 @@ async fn every_bad_request_gets_its_status_and_changes_nothing() {
 
     // Nothing above changed the tier or leaked a pin.
     let m = e.client.match_keys(&e.handle, "", &keys).await.unwrap();
-    assert_eq!(m.tiers.len(), 4);
+    assert_eq!(m.blocks.len(), 4);
     let stats = e.client.stats().await.unwrap();
     assert_eq!((stats.pools, stats.pinned_blocks), (1, 0));
     drop(e);
@@ -421,15 +428,11 @@ async fn clear_forgets_a_namespace() {
             .unwrap();
     }
     let h = e.handle.clone();
-    let r = e
-        .client
-        .clear(&h, "a", false, proto::Tier::Unspecified)
-        .await
-        .unwrap();
+    let r = e.client.clear(&h, "a", false, None).await.unwrap();
     assert_eq!(r, (4, 0));
     let err = e
         .client
-        .clear(&h, "a", false, proto::Tier::Device)
+        .clear(&h, "a", false, Some(Tier::Device))
         .await
         .unwrap_err();
     assert!(err.to_string().contains("TIER_HOST"), "{err}");
@@ -451,7 +454,7 @@ async fn clear_forgets_a_namespace() {
     );
     // Host memory only: the blocks of "b" go (there is no disk tier to keep them).
     assert_eq!(
-        e.client.clear(&h, "b", false, proto::Tier::Host).await.unwrap(),
+        e.client.clear(&h, "b", false, Some(Tier::Host)).await.unwrap(),
         (4, 0)
     );
     drop(e);

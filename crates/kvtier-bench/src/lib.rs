@@ -18,7 +18,7 @@ mod workload;
 
 pub use engine_bench::{EngineBenchConfig, EngineBenchReport, TtftFigures, run_engine_bench};
 pub use error::BenchError;
-pub use offload::{BenchTier, DiskFigures, OffloadConfig, OffloadReport, run_offload};
+pub use offload::{DiskFigures, OffloadConfig, OffloadReport, run_offload};
 pub use progress::ProgressBar;
 pub use recovery::{RecoveryConfig, RecoveryReport, run_recovery};
 pub use serve::{Scenario, ServeConfig, ServeReport, ServeRun, run_serve};

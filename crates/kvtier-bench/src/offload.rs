@@ -11,10 +11,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvtier_core::{ByteSize, Dtype};
+use kvtier_core::{ByteSize, Dtype, Tier};
 use kvtier_store::{
-    BlockTier, DirectIo, DiskTierConfig, EvictionKind, HostTierConfig, TieredStore, TieredStoreConfig,
-    TieredStoreStats, WritePolicy,
+    DirectIo, DiskTierConfig, EvictionKind, HostTierConfig, TieredStore, TieredStoreConfig, TieredStoreStats,
+    WritePolicy,
 };
 use kvtier_transfer::{DevicePool, QueueStats, RouteStats, TransferConfig, TransferError, TransferQueues};
 use serde::Serialize;
@@ -23,28 +23,6 @@ use crate::BenchError;
 use crate::baselines::{DiskBaseline, MemcpyBaseline};
 use crate::summary::Summary;
 use crate::workload::{BatchResult, NewBlocks, RequestResult, Samples, SeedFigures, Workload, record};
-
-/// Where the benchmark's hit blocks come from and its new blocks go.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum BenchTier {
-    /// Host memory: loads host → device, stores device → host.
-    #[default]
-    Host,
-    /// Disk, host memory cold: loads disk → host → device, stores device → host → disk.
-    Disk,
-}
-
-impl std::str::FromStr for BenchTier {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "host" => Ok(BenchTier::Host),
-            "disk" => Ok(BenchTier::Disk),
-            _ => Err(format!("unknown tier {s:?} (expected host or disk)")),
-        }
-    }
-}
 
 /// Parameters of the offload benchmark. Defaults follow the seed experiment: Qwen3-30B-A3B's
 /// KV geometry with one layer (4 KV heads, head_dim 128, bf16), 10,000-token requests, 90% of
@@ -76,7 +54,7 @@ pub struct OffloadConfig {
     /// Host tier eviction policy.
     pub eviction: EvictionKind,
     /// Where hit blocks live.
-    pub tier: BenchTier,
+    pub tier: Tier,
     /// With `--tier disk`: the directory to test (a fresh subdirectory is made in it and
     /// removed afterwards); `None` for the system's temporary directory.
     pub disk_dir: Option<PathBuf>,
@@ -101,7 +79,7 @@ impl Default for OffloadConfig {
             warmup_rounds: 3,
             host_capacity: None,
             eviction: EvictionKind::default(),
-            tier: BenchTier::Host,
+            tier: Tier::Host,
             disk_dir: None,
             direct_io: DirectIo::Auto,
             transfer: TransferConfig::default(),
@@ -228,11 +206,11 @@ pub fn run_offload(
     let geometry = bench.work.geometry;
     let batch_bytes = bench.work.batch_bytes();
     let memcpy = match config.tier {
-        BenchTier::Host => Some(MemcpyBaseline::new(batch_bytes, bench.queues.copy_threads())?),
-        BenchTier::Disk => None,
+        Tier::Disk => None,
+        Tier::Device | Tier::Host => Some(MemcpyBaseline::new(batch_bytes, bench.queues.copy_threads())?),
     };
     let disk_baseline = match bench.store.disk() {
-        Some(d) if config.tier == BenchTier::Disk => Some(DiskBaseline::new(
+        Some(d) if config.tier == Tier::Disk => Some(DiskBaseline::new(
             d.dir(),
             geometry.bytes_per_block(),
             batch_bytes,
@@ -281,8 +259,14 @@ impl Bench {
             .bytes_per_block()
             .next_multiple_of(kvtier_store::PAGE_ALIGN) as u64;
         let (scratch, disk) = match config.tier {
-            BenchTier::Host => (None, None),
-            BenchTier::Disk => {
+            Tier::Device => {
+                return Err(BenchError::InvalidConfig(
+                    "--tier device: the hit blocks are loaded from kvtier's tiers; choose host or disk"
+                        .into(),
+                ));
+            }
+            Tier::Host => (None, None),
+            Tier::Disk => {
                 let parent = config.disk_dir.clone().unwrap_or_else(std::env::temp_dir);
                 let dir = parent.join(format!("kvtier-bench-{}", std::process::id()));
                 std::fs::create_dir_all(&dir).map_err(|e| {
@@ -342,7 +326,7 @@ impl Bench {
                 .store
                 .submit(&self.dyn_pool, &self.store, w.ns, &w.prefix_store(r))?;
             let (copied, persisted) = ticket.wait_persisted()?;
-            let stored = if w.config.tier == BenchTier::Disk {
+            let stored = if w.config.tier == Tier::Disk {
                 persisted.written_blocks
             } else {
                 copied.stored_blocks
@@ -362,22 +346,19 @@ impl Bench {
     /// engine's first question (what is cached) asked.
     fn prepare(&mut self, round: usize) -> Result<NewBlocks, BenchError> {
         let new = self.work.prepare(round)?;
-        if self.work.config.tier == BenchTier::Disk {
+        if self.work.config.tier == Tier::Disk {
             self.store.host().clear(None);
             if let Some(d) = self.store.disk() {
                 d.drop_page_cache()?;
             }
         }
-        let want = match self.work.config.tier {
-            BenchTier::Host => BlockTier::Host,
-            BenchTier::Disk => BlockTier::Disk,
-        };
+        let want = self.work.config.tier;
         for (r, req) in self.work.requests.iter().enumerate() {
             let m = self.queues.match_prefix(&self.store, self.work.ns, &req.prefix);
             let found = m.tiers.iter().filter(|&&t| t == want).count();
             if found != self.work.hit {
                 return Err(BenchError::InvalidConfig(format!(
-                    "request {r}: only {found} of {} hit blocks in the {want:?} tier; raise --host-capacity",
+                    "request {r}: only {found} of {} hit blocks in the {want} tier; raise --host-capacity",
                     self.work.hit
                 )));
             }
@@ -455,7 +436,7 @@ impl Bench {
         let disk = self
             .store
             .disk()
-            .filter(|_| w.config.tier == BenchTier::Disk)
+            .filter(|_| w.config.tier == Tier::Disk)
             .map(|d| {
                 let read = Summary::of(&samples.disk_read_baseline).mean;
                 let write = Summary::of(&samples.disk_write_baseline).mean;

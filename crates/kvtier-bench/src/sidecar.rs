@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_client::{Client, PoolHandle};
-use kvtier_core::{BlockKey, ByteSize, KvGeometry};
+use kvtier_core::{BlockKey, ByteSize, KvGeometry, Tier};
 use kvtier_proto::wire::{pack_key, pack_keys};
 use kvtier_proto::{WireTiming, proto};
 use kvtier_server::ServerConfig;
@@ -18,7 +18,7 @@ use serde::Serialize;
 
 use crate::summary::Summary;
 use crate::workload::{BENCH_MODEL_ID, BatchResult, RequestResult, Samples, SeedFigures, Workload, record};
-use crate::{BenchError, BenchTier, OffloadConfig, OffloadReport, run_offload};
+use crate::{BenchError, OffloadConfig, OffloadReport, run_offload};
 
 /// Which sidecar a gRPC benchmark talks to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -271,7 +271,7 @@ pub fn run_offload_sidecar(
     target: &SidecarTarget,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<SidecarOffloadReport, BenchError> {
-    if config.tier != BenchTier::Host {
+    if config.tier != Tier::Host {
         return Err(BenchError::InvalidConfig(
             "--sidecar measures the host tier; drop --tier disk".into(),
         ));
@@ -319,7 +319,7 @@ pub fn run_offload_sidecar(
             let m = rt
                 .block_on(client.match_keys(&pool, "", &req.prefix))
                 .map_err(rpc_err)?;
-            if m.tiers.len() != work.hit {
+            if m.blocks.len() != work.hit {
                 return Err(BenchError::InvalidConfig(
                     "hit blocks left the sidecar's host tier; raise --host-capacity".into(),
                 ));
@@ -658,7 +658,7 @@ mod tests {
         assert!(lines[13].starts_with("sidecar_ratio_to_in_process="));
         let e = run_offload_sidecar(
             &OffloadConfig {
-                tier: BenchTier::Disk,
+                tier: Tier::Disk,
                 ..config
             },
             &SidecarTarget::InProcess,

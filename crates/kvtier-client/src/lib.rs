@@ -14,149 +14,31 @@
 //! session, and the sidecar then releases its pins and unregisters its pools.
 #![warn(missing_docs)]
 
-use std::path::PathBuf;
+mod channel;
+mod error;
+mod load_stream;
+mod pool_handle;
+mod session;
+
+use std::sync::Arc;
 use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
-use kvtier_core::{BlockHasher, BlockKey, CoreError, KvGeometry, Namespace, NamespaceFingerprint};
+use kvtier_core::{BlockKey, KvGeometry};
 use kvtier_proto::proto::kv_tier_client::KvTierClient;
 use kvtier_proto::wire::{pack_key, pack_keys};
-use kvtier_proto::{ProtoError, geometry_from_proto};
 use kvtier_transfer::{CpuDevicePool, DevicePool};
-use tonic::metadata::MetadataValue;
-use tonic::service::Interceptor;
-use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint, Uri};
-use tonic::{Request, Status};
 
+pub use channel::{Auth, Stub, channel};
+pub use error::ClientError;
+pub use load_stream::{LoadOutcome, LoadStream};
+pub use pool_handle::PoolHandle;
+
+pub use kvtier_core::Tier;
 /// The generated kvtier.v1 messages, for calls through [`Client::rpc`] and the replies this
 /// client returns as they come.
 pub use kvtier_proto::proto;
-pub use kvtier_proto::proto::{MatchResponse, PinResponse, StoreResponse, Tier};
-pub use kvtier_proto::{LoadDone, LoadEvent, WireTiming};
-
-/// Why a client call failed.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ClientError {
-    /// The sidecar could not be reached.
-    #[error("cannot connect to kvtier at {target}: {source}")]
-    Connect {
-        /// What was dialled.
-        target: String,
-        /// Why.
-        source: tonic::transport::Error,
-    },
-    /// The sidecar refused the request (the status names the reason).
-    #[error("kvtier: {}: {}", .0.code(), .0.message())]
-    Status(#[from] Status),
-    /// The sidecar answered something this client did not expect.
-    #[error("kvtier protocol: {0}")]
-    Protocol(String),
-    /// A reply field that does not decode (keys of a bad length, an unknown dtype).
-    #[error("kvtier protocol: {0}")]
-    Proto(#[from] ProtoError),
-    /// A geometry or namespace error.
-    #[error(transparent)]
-    Core(#[from] CoreError),
-}
-
-/// Adds the bearer token (TCP listeners off loopback require one).
-#[derive(Debug, Clone, Default)]
-pub struct Auth(Option<MetadataValue<tonic::metadata::Ascii>>);
-
-impl Interceptor for Auth {
-    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
-        if let Some(v) = &self.0 {
-            req.metadata_mut().insert("authorization", v.clone());
-        }
-        Ok(req)
-    }
-}
-
-/// The generated gRPC stub with the bearer-token interceptor.
-pub type Stub = KvTierClient<InterceptedService<Channel, Auth>>;
-
-/// A registered device pool: its id and the namespace keys are hashed in.
-#[derive(Debug, Clone)]
-pub struct PoolHandle {
-    /// The sidecar's id for it.
-    pub id: u64,
-    model_id: String,
-    geometry: KvGeometry,
-    tp_rank: u32,
-    tp_size: u32,
-}
-
-impl PoolHandle {
-    /// The namespace of this pool under `salt`.
-    ///
-    /// # Errors
-    /// [`CoreError`] for a salt over 1 KiB.
-    pub fn namespace(&self, salt: &str) -> Result<NamespaceFingerprint, CoreError> {
-        Ok(Namespace::new(
-            self.model_id.clone(),
-            self.geometry,
-            self.tp_rank,
-            self.tp_size,
-            salt,
-        )?
-        .fingerprint())
-    }
-
-    /// The block keys of a token sequence (from token 0), as the sidecar computes them.
-    ///
-    /// # Errors
-    /// As [`PoolHandle::namespace`].
-    pub fn keys(&self, salt: &str, tokens: &[u32]) -> Result<Vec<BlockKey>, CoreError> {
-        Ok(BlockHasher::new(self.namespace(salt)?, self.geometry.block_tokens()).keys(tokens))
-    }
-}
-
-/// Everything a load reported.
-#[derive(Debug, Clone, Default)]
-pub struct LoadOutcome {
-    /// Layers announced ready, in order.
-    pub layers_ready: Vec<u32>,
-    /// Blocks announced missing before the layers (disk reads that failed).
-    pub missing_announced: Vec<BlockKey>,
-    /// The final report.
-    pub done: LoadDone,
-}
-
-/// A load's events as they arrive ([`Client::load`]), decoded: keys unpacked, timings as
-/// [`WireTiming`].
-///
-/// Dropping it before [`LoadEvent::Done`] cancels the load: the sidecar sees the stream go
-/// away, skips the copies that have not started and releases the load's pins. Copies already
-/// running finish, so the load's slots may be partly written: treat them as garbage.
-#[derive(Debug)]
-pub struct LoadStream {
-    events: tonic::Streaming<proto::LoadEvent>,
-}
-
-impl LoadStream {
-    /// The next event; `None` when the stream has ended (after [`LoadEvent::Done`], or early:
-    /// a sidecar that went away mid-load ends the stream without a report). Messages with no
-    /// event set (an event kind newer than this client) are skipped. Waits on the network;
-    /// allocates the keys of `Missing` and `Done`.
-    ///
-    /// # Errors
-    /// The sidecar's status (`DEADLINE_EXCEEDED` when the load's deadline passed, …);
-    /// [`ClientError::Proto`] for an event that does not decode.
-    ///
-    /// # Cancel safety
-    /// Cancel safe: dropping the returned future (in a `select!`, a timeout) loses no event;
-    /// the next call returns it. Only dropping the [`LoadStream`] cancels the load.
-    pub async fn next(&mut self) -> Result<Option<LoadEvent>, ClientError> {
-        while let Some(m) = self.events.message().await? {
-            if let Some(e) = LoadEvent::from_proto(m)? {
-                return Ok(Some(e));
-            }
-        }
-        Ok(None)
-    }
-}
+pub use kvtier_proto::proto::PinResponse;
+pub use kvtier_proto::{LoadDone, LoadEvent, MatchReply, MatchedBlock, StoreReply, WireTiming};
 
 /// A connection and a session with the kvtier sidecar. Clones share the connection and the
 /// session (for concurrent calls); the session ends when the last clone is dropped.
@@ -165,47 +47,7 @@ pub struct Client {
     rpc: Stub,
     session_id: u64,
     geometry: KvGeometry,
-    _session: std::sync::Arc<SessionTask>,
-}
-
-/// The task that keeps the session stream open.
-#[derive(Debug)]
-struct SessionTask(tokio::task::JoinHandle<()>);
-
-impl Drop for SessionTask {
-    fn drop(&mut self) {
-        // Ends the session stream: the sidecar releases this session's pins and pools.
-        self.0.abort();
-    }
-}
-
-/// Opens a channel to `target`: `unix:///path` (or a bare path) for the Unix socket,
-/// `http://host:port` or `https://host:port` for TCP.
-///
-/// # Errors
-/// [`ClientError::Connect`].
-pub async fn channel(target: &str) -> Result<Channel, ClientError> {
-    let err = |source| ClientError::Connect {
-        target: target.to_owned(),
-        source,
-    };
-    if target.starts_with("http://") || target.starts_with("https://") {
-        return Endpoint::from_shared(target.to_owned())
-            .map_err(err)?
-            .connect()
-            .await
-            .map_err(err);
-    }
-    let path = PathBuf::from(target.strip_prefix("unix://").unwrap_or(target));
-    // The URI is required by the API and ignored by the connector.
-    Endpoint::from_static("http://kvtier.sock")
-        .connect_timeout(Duration::from_secs(5))
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
-        }))
-        .await
-        .map_err(err)
+    _session: Arc<session::SessionTask>,
 }
 
 impl Client {
@@ -235,42 +77,14 @@ impl Client {
         client_name: &str,
         token: Option<&str>,
     ) -> Result<Self, ClientError> {
-        let auth = match token {
-            Some(t) => {
-                Auth(Some(format!("Bearer {t}").parse().map_err(|_| {
-                    ClientError::Protocol("the token is not ASCII".into())
-                })?))
-            }
-            None => Auth(None),
-        };
+        let auth = Auth::bearer(token)?;
         let mut rpc = KvTierClient::with_interceptor(channel(target).await?, auth);
-        let mut events = rpc
-            .open_session(proto::OpenSessionRequest {
-                client_name: client_name.to_owned(),
-            })
-            .await?
-            .into_inner();
-        let first = events
-            .message()
-            .await?
-            .and_then(|e| e.event)
-            .ok_or_else(|| ClientError::Protocol("the session stream ended before it opened".into()))?;
-        let proto::session_event::Event::Opened(opened) = first else {
-            return Err(ClientError::Protocol(
-                "the session stream did not start with Opened".into(),
-            ));
-        };
-        let geometry = geometry_from_proto(opened.geometry.as_ref())?;
-        // Keep the session stream open (heartbeats) for the client's lifetime.
-        let session_task = tokio::spawn(async move {
-            while let Ok(Some(_)) = events.message().await {}
-            tracing::debug!("kvtier session stream ended");
-        });
+        let session = session::open(&mut rpc, client_name).await?;
         Ok(Self {
             rpc,
-            session_id: opened.session_id,
-            geometry,
-            _session: std::sync::Arc::new(SessionTask(session_task)),
+            session_id: session.id,
+            geometry: session.geometry,
+            _session: Arc::new(session.task),
         })
     }
 
@@ -342,6 +156,10 @@ impl Client {
     ///
     /// # Errors
     /// The sidecar's status.
+    ///
+    /// # Cancel safety
+    /// Dropping the future after the request was sent may still unregister the pool; the
+    /// handle must not be used again either way.
     pub async fn unregister_pool(&mut self, pool: &PoolHandle) -> Result<(), ClientError> {
         self.rpc
             .unregister_pool(proto::UnregisterPoolRequest {
@@ -352,17 +170,21 @@ impl Client {
         Ok(())
     }
 
-    /// Where each leading block of `keys` is.
+    /// Where each leading block of `keys` is (device, host or disk).
     ///
     /// # Errors
-    /// The sidecar's status.
+    /// The sidecar's status; [`ClientError::Proto`] for a reply that does not decode (a tier
+    /// this build does not know).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a match only reads (it may count hits for the disk admission filter).
     pub async fn match_keys(
         &mut self,
         pool: &PoolHandle,
         salt: &str,
         keys: &[BlockKey],
-    ) -> Result<MatchResponse, ClientError> {
-        Ok(self
+    ) -> Result<MatchReply, ClientError> {
+        let r = self
             .rpc
             .r#match(proto::MatchRequest {
                 session_id: self.session_id,
@@ -372,20 +194,25 @@ impl Client {
                 token_ids: Vec::new(),
             })
             .await?
-            .into_inner())
+            .into_inner();
+        Ok(MatchReply::try_from(r)?)
     }
 
-    /// Where each leading block of a token sequence is (the sidecar hashes the tokens).
+    /// Where each leading block of a token sequence is (the sidecar hashes the tokens, and
+    /// the reply carries their keys).
     ///
     /// # Errors
-    /// The sidecar's status.
+    /// As [`Client::match_keys`].
+    ///
+    /// # Cancel safety
+    /// As [`Client::match_keys`].
     pub async fn match_tokens(
         &mut self,
         pool: &PoolHandle,
         salt: &str,
         tokens: &[u32],
-    ) -> Result<MatchResponse, ClientError> {
-        Ok(self
+    ) -> Result<MatchReply, ClientError> {
+        let r = self
             .rpc
             .r#match(proto::MatchRequest {
                 session_id: self.session_id,
@@ -395,7 +222,8 @@ impl Client {
                 token_ids: tokens.to_vec(),
             })
             .await?
-            .into_inner())
+            .into_inner();
+        Ok(MatchReply::try_from(r)?)
     }
 
     /// Starts a load of `(key, slot)` blocks; the stream yields the blocks in no tier first
@@ -471,7 +299,8 @@ impl Client {
     ///
     /// # Errors
     /// The sidecar's status (`RESOURCE_EXHAUSTED` when the store was dropped for a full queue
-    /// or host tier: nothing was stored).
+    /// or host tier: nothing was stored); [`ClientError::Proto`] for a reply that does not
+    /// decode.
     ///
     /// # Cancel safety
     /// Not cancel safe. Dropping the future after the request was sent does not withdraw it:
@@ -485,8 +314,8 @@ impl Client {
         salt: &str,
         parent: Option<BlockKey>,
         blocks: &[(BlockKey, u32)],
-    ) -> Result<StoreResponse, ClientError> {
-        Ok(self
+    ) -> Result<StoreReply, ClientError> {
+        let r = self
             .rpc
             .store(proto::StoreRequest {
                 session_id: self.session_id,
@@ -497,7 +326,8 @@ impl Client {
                 parent: pack_key(parent),
             })
             .await?
-            .into_inner())
+            .into_inner();
+        Ok(StoreReply::try_from(r)?)
     }
 
     /// Reports device residency: blocks now held in slots (`Some(slot)`) or dropped (`None`).
@@ -505,6 +335,10 @@ impl Client {
     ///
     /// # Errors
     /// The sidecar's status.
+    ///
+    /// # Cancel safety
+    /// Dropping the future after the request was sent may still apply the events (all or
+    /// none): report the same residency again to be sure.
     pub async fn device_events(
         &mut self,
         pool: &PoolHandle,
@@ -538,6 +372,10 @@ impl Client {
     ///
     /// # Errors
     /// The sidecar's status.
+    ///
+    /// # Cancel safety
+    /// Dropping the future after the request was sent may still take the pin; unknown to this
+    /// client, it is held until its TTL or the session's end.
     pub async fn pin(
         &mut self,
         pool: &PoolHandle,
@@ -562,6 +400,10 @@ impl Client {
     ///
     /// # Errors
     /// The sidecar's status.
+    ///
+    /// # Cancel safety
+    /// Dropping the future may still release the pin; unpinning again then fails with
+    /// NOT_FOUND.
     pub async fn unpin(&mut self, pin_id: u64) -> Result<u32, ClientError> {
         Ok(self
             .rpc
@@ -575,16 +417,21 @@ impl Client {
     }
 
     /// Forgets the blocks of `salt`'s namespace of `pool` (or of every namespace with `all`)
-    /// in `tier` (`Tier::Unspecified`: every tier). Returns (host blocks, disk blocks) removed.
+    /// in `tier` (`None`: every tier; the sidecar refuses [`Tier::Device`], which it does not
+    /// hold). Returns (host blocks, disk blocks) removed.
     ///
     /// # Errors
     /// The sidecar's status.
+    ///
+    /// # Cancel safety
+    /// Dropping the future after the request was sent does not stop the clear: the sidecar
+    /// completes it, unreported.
     pub async fn clear(
         &mut self,
         pool: &PoolHandle,
         salt: &str,
         all: bool,
-        tier: proto::Tier,
+        tier: Option<Tier>,
     ) -> Result<(u64, u64), ClientError> {
         let r = self
             .rpc
@@ -593,7 +440,7 @@ impl Client {
                 pool_id: pool.id,
                 cache_salt: salt.to_owned(),
                 all,
-                tier: tier as i32,
+                tier: tier.map_or(proto::Tier::Unspecified, proto::Tier::from) as i32,
             })
             .await?
             .into_inner();
@@ -604,6 +451,9 @@ impl Client {
     ///
     /// # Errors
     /// The sidecar's status.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads.
     pub async fn stats(&mut self) -> Result<proto::StatsResponse, ClientError> {
         Ok(self.rpc.stats(proto::StatsRequest {}).await?.into_inner())
     }

@@ -15,6 +15,7 @@ mod checksum;
 mod error;
 mod geometry;
 mod namespace;
+mod tier;
 
 pub use block_key::{BlockHasher, BlockKey};
 pub use byte_size::ByteSize;
@@ -22,3 +23,4 @@ pub use checksum::xxh3_64;
 pub use error::{CoreError, ErrorKind};
 pub use geometry::{Dtype, KvGeometry};
 pub use namespace::{Namespace, NamespaceFingerprint};
+pub use tier::Tier;

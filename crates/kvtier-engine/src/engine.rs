@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvtier_core::KvGeometry;
+use kvtier_core::{KvGeometry, Tier};
 use kvtier_transfer::CpuDevicePool;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc::UnboundedSender;
@@ -54,7 +54,7 @@ pub(crate) enum Command {
     Submit(Box<GenRequest>, UnboundedSender<SeqEvent>, Instant),
     Stats(mpsc::Sender<EngineStats>),
     ClearDeviceCache(mpsc::Sender<()>),
-    ClearTier(kvtier_client::Tier, mpsc::Sender<Result<(u64, u64), EngineError>>),
+    ClearTier(Option<Tier>, mpsc::Sender<Result<(u64, u64), EngineError>>),
     SetReuse(KvReuse, mpsc::Sender<()>),
     SidecarStats(mpsc::Sender<Result<String, EngineError>>),
 }
@@ -265,12 +265,12 @@ impl Engine {
     }
 
     /// Forgets kvtier's blocks in `tier` (every namespace): `Host` leaves only the disk copies,
-    /// `Unspecified` every tier. Returns (host blocks, disk blocks) removed.
+    /// `None` clears every tier. Returns (host blocks, disk blocks) removed.
     ///
     /// # Errors
-    /// [`EngineError::Config`] without a connected sidecar or when it refuses;
-    /// [`EngineError::Stopped`].
-    pub fn clear_tier(&self, tier: kvtier_client::Tier) -> Result<(u64, u64), EngineError> {
+    /// [`EngineError::Config`] without a sidecar configured, [`EngineError::Sidecar`] when it
+    /// is not connected or refuses; [`EngineError::Stopped`].
+    pub fn clear_tier(&self, tier: Option<Tier>) -> Result<(u64, u64), EngineError> {
         let (tx, rx) = mpsc::channel();
         self.tx
             .send(Command::ClearTier(tier, tx))

@@ -42,6 +42,9 @@ pub enum EngineError {
     /// Key or namespace arithmetic failed.
     #[error(transparent)]
     Core(#[from] kvtier_core::CoreError),
+    /// A call to the kvtier sidecar failed (or none is connected).
+    #[error(transparent)]
+    Sidecar(#[from] crate::sidecar_link::LinkError),
     /// The engine stopped.
     #[error("engine stopped")]
     Stopped,

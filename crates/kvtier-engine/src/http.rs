@@ -21,6 +21,8 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::StreamExt;
 
+use kvtier_core::Tier;
+
 use crate::request::{FinishReason, GenRequest, SeqEvent, Usage};
 use crate::sampling::Sampling;
 use crate::text_codec::TextCodec;
@@ -441,9 +443,9 @@ struct ClearRequest {
 async fn kvtier_clear(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Json<Value>, ApiError> {
     let r: ClearRequest = body(&b)?;
     let tier = match r.tier.as_str() {
-        "host" => kvtier_client::Tier::Host,
-        "disk" => kvtier_client::Tier::Disk,
-        "all" => kvtier_client::Tier::Unspecified,
+        "host" => Some(Tier::Host),
+        "disk" => Some(Tier::Disk),
+        "all" => None,
         other => return Err(bad(format!("tier {other:?}: choose host, disk or all"))),
     };
     let (host, disk) = engine_call(&s, move |e| e.clear_tier(tier))

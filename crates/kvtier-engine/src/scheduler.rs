@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvtier_core::{BlockHasher, BlockKey, KvGeometry, Namespace};
+use kvtier_core::{BlockHasher, BlockKey, KvGeometry, Namespace, Tier};
 use kvtier_transfer::CpuDevicePool;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -15,7 +15,7 @@ use crate::engine::{Command, EngineStats};
 use crate::kv_pages::KvPages;
 use crate::model::{Model, SeqChunk};
 use crate::sampling::Sampler;
-use crate::sidecar_link::{LoadEnd, LoadProgress, SidecarLink, StoreLog, TierHit, Window};
+use crate::sidecar_link::{LoadEnd, LoadProgress, SidecarLink, StoreLog, Window};
 use crate::slot_cache::{Residency, SlotCache};
 use crate::{
     CachedTokens, EngineConfig, EngineError, FinishReason, GenRequest, KvReuse, SeqEvent, TransferSpan,
@@ -27,7 +27,7 @@ use crate::{
 struct PendingLoad {
     progress: Arc<LoadProgress>,
     first: usize,
-    hits: Vec<TierHit>,
+    hits: Vec<Tier>,
     deadline: Instant,
 }
 
@@ -178,7 +178,7 @@ impl Scheduler {
             Command::ClearTier(tier, reply) => {
                 self.wait_for_stores();
                 let r = match &mut self.link {
-                    Some(link) => link.clear(tier).map_err(EngineError::Config),
+                    Some(link) => link.clear(tier).map_err(EngineError::from),
                     None => Err(EngineError::Config("no kvtier sidecar configured".into())),
                 };
                 let _ = reply.send(r);
@@ -190,7 +190,7 @@ impl Scheduler {
             }
             Command::SidecarStats(reply) => {
                 let r = match &mut self.link {
-                    Some(link) => link.sidecar_stats().map_err(EngineError::Config),
+                    Some(link) => link.sidecar_stats().map_err(EngineError::from),
                     None => Err(EngineError::Config("no kvtier sidecar configured".into())),
                 };
                 let _ = reply.send(r);
@@ -502,8 +502,9 @@ impl Scheduler {
         };
         for (j, hit) in load.hits.iter().take(keep).enumerate() {
             match hit {
-                TierHit::Host => s.cached.host += bt,
-                TierHit::Disk => s.cached.disk += bt,
+                Tier::Device => s.cached.device += bt,
+                Tier::Host => s.cached.host += bt,
+                Tier::Disk => s.cached.disk += bt,
             }
             let b = load.first + j;
             let key = s.keys[b];
@@ -514,7 +515,7 @@ impl Scheduler {
             return;
         }
         let why = match &end {
-            LoadEnd::Failed(e) => e.clone(),
+            LoadEnd::Failed(e) => e.to_string(),
             LoadEnd::Missing(m) => format!("{} blocks missing", m.len()),
             LoadEnd::Complete => String::new(),
         };

@@ -10,20 +10,85 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use kvtier_client::{Client, LoadEvent, PoolHandle, Tier, WireTiming};
-use kvtier_core::BlockKey;
+use kvtier_client::{Client, ClientError, LoadEvent, PoolHandle, WireTiming};
+use kvtier_core::{BlockKey, KvGeometry, Tier};
 use kvtier_transfer::CpuDevicePool;
 
 use crate::EngineError;
 
-/// Where a matched block is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TierHit {
-    /// In kvtier's host memory.
-    Host,
-    /// On kvtier's disk.
-    Disk,
+/// Why a call over the link failed. Cheap to clone (a load's failure is read by the stream's
+/// task and by the sequence waiting on it).
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum LinkError {
+    /// No session is open (the sidecar is down or was never reached).
+    #[error("the kvtier sidecar is not connected")]
+    NotConnected,
+    /// The sidecar did not answer in time.
+    #[error("kvtier {call} timed out after {after:?}")]
+    TimedOut {
+        /// The call (`connect`, `match`).
+        call: &'static str,
+        /// The time allowed.
+        after: Duration,
+    },
+    /// The sidecar serves another KV geometry than the engine's pool.
+    #[error(
+        "the sidecar serves KV geometry {served}, the engine's is {engine}: start `kvtier serve` with the engine's model shape"
+    )]
+    GeometryMismatch {
+        /// What the sidecar serves.
+        served: KvGeometry,
+        /// The engine's pool.
+        engine: KvGeometry,
+    },
+    /// The client call failed (the sidecar's status, a connection or protocol error).
+    #[error(transparent)]
+    Client(Arc<ClientError>),
+    /// The link's background task that carries the call has stopped.
+    #[error("the kvtier link's control task stopped")]
+    TaskStopped,
+    /// A load's stream ended without its final report (the sidecar went away mid-load).
+    #[error("the load stream ended without a final report")]
+    NoReport,
+    /// A load did not end before the engine's own deadline.
+    #[error("the load did not finish in time")]
+    LoadDeadline,
 }
+
+impl From<ClientError> for LinkError {
+    fn from(e: ClientError) -> Self {
+        Self::Client(Arc::new(e))
+    }
+}
+
+impl LinkError {
+    /// Whether the sidecar refused the call for lack of room (a full queue or host tier):
+    /// the call was dropped and counted, the connection is sound.
+    fn is_resource_exhausted(&self) -> bool {
+        self.status_code() == Some(tonic::Code::ResourceExhausted)
+    }
+
+    /// Whether the sidecar ended the call at its deadline: the connection is sound.
+    fn is_deadline(&self) -> bool {
+        self.status_code() == Some(tonic::Code::DeadlineExceeded)
+    }
+
+    fn status_code(&self) -> Option<tonic::Code> {
+        match self {
+            Self::Client(c) => match c.as_ref() {
+                ClientError::Status(s) => Some(s.code()),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+}
+
+/// How long connecting (and registering the pool) may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a match may take before the link gives the sidecar up.
+const MATCH_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// One transfer as the engine saw it: its copies ran from `start` to `end` (engine clock,
 /// from the sidecar's timing relative to when the call was sent).
@@ -68,7 +133,7 @@ struct LoadState {
     missing: Vec<BlockKey>,
     /// `Some` once the load ended: `Ok(true)` complete, `Ok(false)` complete with missing
     /// blocks, `Err` failed (stream error, deadline, sidecar gone).
-    ended: Option<Result<bool, String>>,
+    ended: Option<Result<bool, LinkError>>,
     /// Slots given up by the sequence while the load could still write them: released to the
     /// engine when the load ends.
     orphans: Vec<u32>,
@@ -77,14 +142,14 @@ struct LoadState {
 }
 
 /// How a load ended, as far as the sequence is concerned.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum LoadEnd {
     /// Every block is in its slot.
     Complete,
     /// The load finished but these blocks are not in their slots.
     Missing(Vec<BlockKey>),
     /// The load failed or did not finish in time; which slots were written is unknown.
-    Failed(String),
+    Failed(LinkError),
 }
 
 impl LoadProgress {
@@ -129,7 +194,7 @@ impl LoadProgress {
             }
             let now = Instant::now();
             if now >= deadline {
-                return LoadEnd::Failed("the load did not finish in time".into());
+                return LoadEnd::Failed(LinkError::LoadDeadline);
             }
             s = self
                 .changed
@@ -184,7 +249,7 @@ enum Ordered {
     Match {
         salt: String,
         keys: Vec<BlockKey>,
-        reply: tokio::sync::oneshot::Sender<Result<Vec<i32>, String>>,
+        reply: tokio::sync::oneshot::Sender<Result<Vec<Tier>, LinkError>>,
     },
 }
 
@@ -264,7 +329,7 @@ impl SidecarLink {
     /// device-resident blocks), `Some(false)` when already connected, `None` when down.
     pub fn ensure_connected(&mut self) -> Option<bool> {
         if self.broken.swap(false, std::sync::atomic::Ordering::AcqRel) {
-            self.drop_conn("a background call failed");
+            self.drop_conn(&"a background call failed");
         }
         if self.conn.is_some() {
             return Some(false);
@@ -278,19 +343,22 @@ impl SidecarLink {
         let geometry = *kvtier_transfer::DevicePool::geometry(pool.as_ref());
         let attempt = self.rt.block_on(async move {
             let connect = async {
-                let mut client = Client::connect(&target, "kvtier-engine").await.map_err(|e| e.to_string())?;
+                let mut client = Client::connect(&target, "kvtier-engine").await?;
                 if client.geometry() != geometry {
-                    return Err(format!(
-                        "the sidecar serves KV geometry {}, the engine's is {geometry}: start `kvtier serve` with the engine's model shape",
-                        client.geometry()
-                    ));
+                    return Err(LinkError::GeometryMismatch {
+                        served: client.geometry(),
+                        engine: geometry,
+                    });
                 }
-                let handle = client.register_cpu_pool(&pool, &model, 0, 1).await.map_err(|e| e.to_string())?;
+                let handle = client.register_cpu_pool(&pool, &model, 0, 1).await?;
                 Ok((client, handle))
             };
-            tokio::time::timeout(Duration::from_secs(5), connect)
+            tokio::time::timeout(CONNECT_TIMEOUT, connect)
                 .await
-                .unwrap_or_else(|_| Err("connection timed out".into()))
+                .unwrap_or(Err(LinkError::TimedOut {
+                    call: "connect",
+                    after: CONNECT_TIMEOUT,
+                }))
         });
         match attempt {
             Ok((client, pool)) => {
@@ -314,8 +382,8 @@ impl SidecarLink {
                                 let r = c
                                     .match_keys(&p, &salt, &keys)
                                     .await
-                                    .map(|m| m.tiers)
-                                    .map_err(|e| e.to_string());
+                                    .map(|m| m.tiers().collect())
+                                    .map_err(LinkError::from);
                                 let _ = reply.send(r);
                             }
                         }
@@ -337,15 +405,16 @@ impl SidecarLink {
         }
     }
 
-    fn drop_conn(&mut self, why: &str) {
+    fn drop_conn(&mut self, why: &dyn std::fmt::Display) {
         if self.conn.take().is_some() {
-            tracing::warn!(target = %self.config.target, reason = why, "lost the kvtier sidecar; serving by recompute");
+            tracing::warn!(target = %self.config.target, reason = %why, "lost the kvtier sidecar; serving by recompute");
         }
         self.retry_at = Instant::now() + self.config.retry;
     }
 
-    /// The leading blocks of `keys` kvtier holds in host memory or on disk (empty when down).
-    pub fn match_prefix(&mut self, salt: &str, keys: &[BlockKey]) -> Vec<TierHit> {
+    /// The leading blocks of `keys` kvtier holds in host memory or on disk, [`Tier::Host`] or
+    /// [`Tier::Disk`] each (empty when down; the device cache is the engine's own).
+    pub fn match_prefix(&mut self, salt: &str, keys: &[BlockKey]) -> Vec<Tier> {
         let Some(conn) = &self.conn else {
             return Vec::new();
         };
@@ -360,24 +429,23 @@ impl SidecarLink {
         };
         let r = match conn.ordered.send(msg) {
             Ok(()) => self.rt.block_on(async move {
-                tokio::time::timeout(Duration::from_secs(5), answer)
+                tokio::time::timeout(MATCH_TIMEOUT, answer)
                     .await
-                    .map_err(|_| "match timed out".to_owned())?
-                    .map_err(|_| "the control task stopped".to_owned())?
+                    .map_err(|_| LinkError::TimedOut {
+                        call: "match",
+                        after: MATCH_TIMEOUT,
+                    })?
+                    .map_err(|_| LinkError::TaskStopped)?
             }),
-            Err(_) => Err("the control task stopped".to_owned()),
+            Err(_) => Err(LinkError::TaskStopped),
         };
         match r {
             Ok(tiers) => tiers
-                .iter()
-                .map_while(|t| match Tier::try_from(*t) {
-                    Ok(Tier::Host) => Some(TierHit::Host),
-                    Ok(Tier::Disk) => Some(TierHit::Disk),
-                    _ => None,
-                })
+                .into_iter()
+                .take_while(|t| matches!(t, Tier::Host | Tier::Disk))
                 .collect(),
             Err(e) => {
-                self.drop_conn(&e.to_string());
+                self.drop_conn(&e);
                 Vec::new()
             }
         }
@@ -398,11 +466,8 @@ impl SidecarLink {
         self.rt.spawn(async move {
             let sent = Instant::now();
             let run = async {
-                let mut stream = c
-                    .load(&p, &salt, &blocks, Some(deadline))
-                    .await
-                    .map_err(|e| e.to_string())?;
-                while let Some(ev) = stream.next().await.map_err(|e| e.to_string())? {
+                let mut stream = c.load(&p, &salt, &blocks, Some(deadline)).await?;
+                while let Some(ev) = stream.next().await? {
                     match ev {
                         LoadEvent::LayerReady { layer } => {
                             prog.update(|s| s.layers_ready = s.layers_ready.max(layer + 1))
@@ -415,12 +480,11 @@ impl SidecarLink {
                         }
                     }
                 }
-                Err("the load stream ended without a final report".to_owned())
+                Err(LinkError::NoReport)
             };
-            let result = run.await;
+            let result: Result<Vec<BlockKey>, LinkError> = run.await;
             if let Err(e) = &result
-                && !e.contains("DeadlineExceeded")
-                && !e.contains("deadline")
+                && !e.is_deadline()
             {
                 broken.store(true, std::sync::atomic::Ordering::Release);
             }
@@ -468,15 +532,15 @@ impl SidecarLink {
         self.stores_in_flight += 1;
         self.rt.spawn(async move {
             let sent = Instant::now();
-            match c.store(&p, &salt, parent, &blocks).await {
+            match c.store(&p, &salt, parent, &blocks).await.map_err(LinkError::from) {
                 Ok(r) => {
-                    if let Some(w) = Window::of(sent, r.timing.map(WireTiming::from), r.bytes) {
+                    if let Some(w) = Window::of(sent, r.timing, r.bytes) {
                         log.lock().unwrap_or_else(|e| e.into_inner()).push(w);
                     }
                 }
                 // A full queue or no host space drops the store (counted by the sidecar): the
                 // blocks stay on the device only.
-                Err(kvtier_client::ClientError::Status(s)) if s.code() == tonic::Code::ResourceExhausted => {}
+                Err(e) if e.is_resource_exhausted() => {}
                 Err(e) => {
                     tracing::warn!(error = %e, "kvtier store failed");
                     broken.store(true, std::sync::atomic::Ordering::Release);
@@ -495,30 +559,27 @@ impl SidecarLink {
         self.stores_in_flight
     }
 
-    /// Forgets kvtier's blocks of every namespace in `tier` (host, disk or every tier), as a
-    /// benchmark does between scenarios. Returns (host blocks, disk blocks) removed.
+    /// Forgets kvtier's blocks of every namespace in `tier` (host, disk; `None`: every tier),
+    /// as a benchmark does between scenarios. Returns (host blocks, disk blocks) removed.
     ///
     /// # Errors
-    /// Not connected, or the sidecar's refusal.
-    pub fn clear(&mut self, tier: Tier) -> Result<(u64, u64), String> {
-        let conn = self.conn.as_ref().ok_or("the kvtier sidecar is not connected")?;
+    /// [`LinkError::NotConnected`], or the sidecar's refusal.
+    pub fn clear(&mut self, tier: Option<Tier>) -> Result<(u64, u64), LinkError> {
+        let conn = self.conn.as_ref().ok_or(LinkError::NotConnected)?;
         let (mut c, p) = (conn.client.clone(), conn.pool.clone());
-        self.rt
-            .block_on(async move { c.clear(&p, "", true, tier).await })
-            .map_err(|e| e.to_string())
+        Ok(self
+            .rt
+            .block_on(async move { c.clear(&p, "", true, tier).await })?)
     }
 
     /// The sidecar's statistics snapshot (JSON).
     ///
     /// # Errors
-    /// Not connected, or the call failed.
-    pub fn sidecar_stats(&mut self) -> Result<String, String> {
-        let conn = self.conn.as_ref().ok_or("the kvtier sidecar is not connected")?;
+    /// [`LinkError::NotConnected`], or the call failed.
+    pub fn sidecar_stats(&mut self) -> Result<String, LinkError> {
+        let conn = self.conn.as_ref().ok_or(LinkError::NotConnected)?;
         let mut c = conn.client.clone();
-        self.rt
-            .block_on(async move { c.stats().await })
-            .map(|s| s.json)
-            .map_err(|e| e.to_string())
+        Ok(self.rt.block_on(async move { c.stats().await })?.json)
     }
 
     /// Reports residency changes (in order, in the background).
@@ -529,7 +590,7 @@ impl SidecarLink {
         if let Some(conn) = &self.conn
             && conn.ordered.send(Ordered::Events(events)).is_err()
         {
-            self.drop_conn("the device events task stopped");
+            self.drop_conn(&"the device events task stopped");
         }
     }
 

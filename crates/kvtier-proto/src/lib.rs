@@ -17,6 +17,7 @@ mod endpoint;
 mod error;
 mod geometry;
 mod load_event;
+mod tier;
 mod timing;
 pub mod wire;
 
@@ -24,6 +25,7 @@ pub use endpoint::default_socket_path;
 pub use error::ProtoError;
 pub use geometry::geometry_from_proto;
 pub use load_event::{LoadDone, LoadEvent};
+pub use tier::{MatchReply, MatchedBlock, StoreReply, tier_filter_from_proto, tier_from_proto};
 pub use timing::WireTiming;
 
 /// Generated protobuf messages and gRPC stubs of `kvtier.v1`.

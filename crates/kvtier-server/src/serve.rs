@@ -41,6 +41,11 @@ pub struct ServeInfo {
 ///
 /// # Errors
 /// Configuration, tier, listener and exporter errors at start.
+///
+/// # Cancel safety
+/// Not cancel safe: dropping the future stops serving at once, without the drain above
+/// (stores acknowledged but not yet written to disk are lost, and the disk tier is not
+/// flushed). To stop, complete `shutdown` and await the future to its end.
 pub async fn serve(
     config: ServerConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,

@@ -9,11 +9,12 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use kvtier_core::{BlockHasher, BlockKey};
+use kvtier_core::{BlockHasher, BlockKey, Tier};
 use kvtier_proto::proto::{self, kv_tier_server::KvTier};
 use kvtier_proto::wire::{pack_keys, unpack_key, unpack_keys, unpack_one_key};
-use kvtier_proto::{LoadDone, WireTiming, geometry_from_proto};
-use kvtier_store::BlockTier;
+use kvtier_proto::{
+    LoadDone, MatchReply, MatchedBlock, StoreReply, WireTiming, geometry_from_proto, tier_filter_from_proto,
+};
 use kvtier_transfer::{
     CpuDevicePool, DevicePool, EventSink, InflightBlocks, LoadBlock, LoadEvent, LoadHandle, StoreBlock,
     StoreEvent, TransferError, TransferTiming,
@@ -148,14 +149,18 @@ impl KvTierService {
         pool: &PoolEntry,
         ns: kvtier_core::NamespaceFingerprint,
         keys: &[BlockKey],
-    ) -> Vec<Found> {
+    ) -> Vec<MatchedBlock> {
         let state = &self.state;
+        let on_device = |slot| MatchedBlock {
+            tier: Tier::Device,
+            device_slot: Some(slot),
+        };
         let device = pool.device_slots(keys);
         let mut out = Vec::with_capacity(keys.len());
         let mut i = 0;
         while i < keys.len() {
             if let Some(slot) = device[i] {
-                out.push(Found::Device(slot));
+                out.push(on_device(slot));
                 i += 1;
                 continue;
             }
@@ -165,19 +170,18 @@ impl KvTierService {
                 break;
             }
             for t in m.tiers {
-                out.push(device[i].map_or(Found::Tier(t), Found::Device));
+                out.push(device[i].map_or(
+                    MatchedBlock {
+                        tier: t,
+                        device_slot: None,
+                    },
+                    on_device,
+                ));
                 i += 1;
             }
         }
         out
     }
-}
-
-/// Where a matched block is.
-#[derive(Debug, Clone, Copy)]
-enum Found {
-    Device(u32),
-    Tier(BlockTier),
 }
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
@@ -187,6 +191,13 @@ impl KvTier for KvTierService {
     type OpenSessionStream = BoxStream<proto::SessionEvent>;
     type LoadStream = BoxStream<proto::LoadEvent>;
 
+    /// Opens a session and streams its events (Opened, then heartbeats) until the client goes
+    /// away or the sidecar stops.
+    ///
+    /// # Cancel safety
+    /// Dropping the stream (the client disconnecting) drops the session's guard: the session
+    /// closes, its soft pins are released and its pools unregistered; transfers in flight
+    /// keep their pool mapped until they finish.
     async fn open_session(
         &self,
         request: Request<proto::OpenSessionRequest>,
@@ -233,6 +244,12 @@ impl KvTier for KvTierService {
         .await
     }
 
+    /// Maps an engine's device pool for the session.
+    ///
+    /// # Cancel safety
+    /// The mapping runs on a blocking thread; a call dropped before the pool was registered
+    /// registers nothing (the mapping is unmapped when the thread's result is dropped). One
+    /// dropped after registration leaves the pool registered until the session ends.
     async fn register_pool(
         &self,
         request: Request<proto::RegisterPoolRequest>,
@@ -291,6 +308,10 @@ impl KvTier for KvTierService {
         .await
     }
 
+    /// Unregisters a pool of the session.
+    ///
+    /// # Cancel safety
+    /// Runs without awaiting: it has happened or not, never half.
     async fn unregister_pool(
         &self,
         request: Request<proto::UnregisterPoolRequest>,
@@ -303,6 +324,11 @@ impl KvTier for KvTierService {
         .await
     }
 
+    /// Where each leading block of a sequence is (device, host, disk).
+    ///
+    /// # Cancel safety
+    /// Runs without awaiting: the hits it counts for the disk admission filter and the disk
+    /// writes it admits are queued whether or not the reply is read.
     async fn r#match(
         &self,
         request: Request<proto::MatchRequest>,
@@ -331,47 +357,31 @@ impl KvTier for KvTierService {
                 }
             };
             let found = self.locate(&pool, ns, &keys);
-            let bt = u64::from(self.state.geometry.block_tokens());
-            let mut resp = proto::MatchResponse {
-                tiers: Vec::with_capacity(found.len()),
-                device_slots: Vec::with_capacity(found.len()),
-                ..Default::default()
+            let hashed = if from_tokens {
+                keys[..found.len()].to_vec()
+            } else {
+                Vec::new()
             };
-            let (mut dev, mut host, mut disk) = (0u64, 0u64, 0u64);
-            for f in &found {
-                let (tier, slot) = match f {
-                    Found::Device(slot) => {
-                        dev += 1;
-                        (proto::Tier::Device, *slot)
-                    }
-                    Found::Tier(BlockTier::Host) => {
-                        host += 1;
-                        (proto::Tier::Host, 0)
-                    }
-                    Found::Tier(BlockTier::Disk) => {
-                        disk += 1;
-                        (proto::Tier::Disk, 0)
-                    }
-                };
-                resp.tiers.push(tier as i32);
-                resp.device_slots.push(slot);
-            }
-            if from_tokens {
-                resp.keys = pack_keys(&keys[..found.len()]);
-            }
-            resp.matched_tokens = found.len() as u64 * bt;
-            resp.device_tokens = dev * bt;
-            resp.host_tokens = host * bt;
-            resp.disk_tokens = disk * bt;
+            let reply = MatchReply::new(found, hashed, self.state.geometry.block_tokens());
             counter!(m::MATCH_LOOKUPS).increment(keys.len() as u64);
-            counter!(m::MATCH_HITS, "tier" => "device").increment(dev);
-            counter!(m::MATCH_HITS, "tier" => "host").increment(host);
-            counter!(m::MATCH_HITS, "tier" => "disk").increment(disk);
-            Ok(resp)
+            for tier in Tier::ALL {
+                let blocks = reply.tiers().filter(|&t| t == tier).count();
+                counter!(m::MATCH_HITS, "tier" => tier.name()).increment(blocks as u64);
+            }
+            Ok(reply.into())
         })
         .await
     }
 
+    /// Starts a load into device slots and streams its events (Missing, LayerReady per
+    /// layer, Done).
+    ///
+    /// # Cancel safety
+    /// Dropping the call before the stream is returned withdraws the submission if it was
+    /// still waiting for a block in flight. Dropping the stream (the client cancelling or
+    /// disconnecting) cancels the load: copies not started are skipped, the load's host pins
+    /// are released and it is counted cancelled; copies already running finish, so the
+    /// slots may be partly written.
     async fn load(&self, request: Request<proto::LoadRequest>) -> Result<Response<Self::LoadStream>, Status> {
         let arrived = Instant::now();
         observed("Load", async {
@@ -430,6 +440,13 @@ impl KvTier for KvTierService {
         .await
     }
 
+    /// Copies device slots into the host tier; replies once the slots may be reused.
+    ///
+    /// # Cancel safety
+    /// Dropping the call (the client cancelling or disconnecting) cancels the copies not
+    /// started; blocks already copied stay stored, and copies already running still read
+    /// their slots and complete. It is counted cancelled. Disk writes of blocks already
+    /// stored go on behind the store queue.
     async fn store(
         &self,
         request: Request<proto::StoreRequest>,
@@ -469,17 +486,23 @@ impl KvTier for KvTierService {
             handle.disarm();
             histogram!(m::TRANSFER_SECONDS, "route" => "device_to_host")
                 .record(report.timing.span().as_secs_f64());
-            Ok(proto::StoreResponse {
+            Ok(StoreReply {
                 stored_blocks: report.stored_blocks as u32,
                 already_stored: report.already_stored as u32,
-                no_space: pack_keys(&report.no_space),
+                no_space: report.no_space,
                 bytes: report.bytes,
-                timing: Some(wire_timing(&report.timing).into()),
-            })
+                timing: Some(wire_timing(&report.timing)),
+            }
+            .into())
         })
         .await
     }
 
+    /// Applies residency changes the engine reports.
+    ///
+    /// # Cancel safety
+    /// Validates every event first, then applies them in one step without awaiting: all or
+    /// none.
     async fn device_events(
         &self,
         request: Request<proto::DeviceEventsRequest>,
@@ -522,6 +545,11 @@ impl KvTier for KvTierService {
         .await
     }
 
+    /// Soft-pins blocks in host memory for the session.
+    ///
+    /// # Cancel safety
+    /// The pin is taken without awaiting; a call dropped after that leaves it held until its
+    /// TTL or the session's end.
     async fn pin(&self, request: Request<proto::PinRequest>) -> Result<Response<proto::PinResponse>, Status> {
         observed("Pin", async {
             let r = request.into_inner();
@@ -549,6 +577,10 @@ impl KvTier for KvTierService {
         .await
     }
 
+    /// Releases a soft pin.
+    ///
+    /// # Cancel safety
+    /// Runs without awaiting: the pin is released or not, never half.
     async fn unpin(
         &self,
         request: Request<proto::UnpinRequest>,
@@ -563,6 +595,11 @@ impl KvTier for KvTierService {
         .await
     }
 
+    /// Forgets blocks by namespace and tier.
+    ///
+    /// # Cancel safety
+    /// The clear runs on a blocking thread and completes even if the call is dropped (what it
+    /// removed is then not reported).
     async fn clear(
         &self,
         request: Request<proto::ClearRequest>,
@@ -576,16 +613,17 @@ impl KvTier for KvTierService {
                 let pool = self.state.sessions.pool(r.session_id, r.pool_id)?;
                 Some(pool.namespace(self.state.geometry, &r.cache_salt)?)
             };
-            let (host_tier, disk_tier) = match proto::Tier::try_from(r.tier) {
-                Ok(proto::Tier::Unspecified) => (true, true),
-                Ok(proto::Tier::Host) => (true, false),
-                Ok(proto::Tier::Disk) => (false, true),
-                _ => {
-                    return Err(ServerError::InvalidArgument(format!(
-                        "tier {}: clear TIER_HOST, TIER_DISK or every tier (TIER_UNSPECIFIED)",
-                        r.tier
-                    )));
-                }
+            let refuse = || {
+                ServerError::InvalidArgument(format!(
+                    "tier {}: clear TIER_HOST, TIER_DISK or every tier (TIER_UNSPECIFIED)",
+                    r.tier
+                ))
+            };
+            let (host_tier, disk_tier) = match tier_filter_from_proto("tier", r.tier).map_err(|_| refuse())? {
+                None => (true, true),
+                Some(Tier::Host) => (true, false),
+                Some(Tier::Disk) => (false, true),
+                Some(Tier::Device) => return Err(refuse()),
             };
             let state = Arc::clone(&self.state);
             let (host, kept, disk) = blocking(move || {
@@ -610,6 +648,10 @@ impl KvTier for KvTierService {
         .await
     }
 
+    /// The sidecar's counters.
+    ///
+    /// # Cancel safety
+    /// Reads only.
     async fn stats(
         &self,
         _request: Request<proto::StatsRequest>,

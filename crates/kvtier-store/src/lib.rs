@@ -35,6 +35,4 @@ pub use host_tier::{
     HostBacking, HostTier, HostTierConfig, HostTierStats, PageWriter, PinnedPage, Removal, Reservation,
 };
 pub use shm_region::{Prefault, ShmRegion};
-pub use tiered_store::{
-    BlockTier, PrefixMatch, TieredStore, TieredStoreConfig, TieredStoreStats, WritePolicy,
-};
+pub use tiered_store::{PrefixMatch, TieredStore, TieredStoreConfig, TieredStoreStats, WritePolicy};

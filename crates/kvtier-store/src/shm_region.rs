@@ -700,9 +700,10 @@ mod tests {
             other.xxh3_64(0, len).unwrap(),
             kvtier_core::xxh3_64(&vec![0x5a; len])
         );
-        // The copy reached the page still in the file before it faulted.
+        // The page still in the file holds its old bytes or the copied ones, nothing else
+        // (whether the copy reached it before faulting depends on the CPU's memcpy order).
         owner.read(0, &mut buf).unwrap();
-        assert_eq!(buf, [0x5a; 16]);
+        assert!(buf == [0x5a; 16] || buf == [1; 16], "{buf:?}");
         // A fault in a region that was faulted and dropped is not blamed on the next one.
         drop(mapped);
         let fresh = ShmRegion::create_anonymous("fresh", len, Prefault::Touch).unwrap();

@@ -1,7 +1,7 @@
 //! The tiers of one KV geometry together: the host tier, an optional disk tier, and the write
 //! policy that decides which blocks go to disk.
 
-use kvtier_core::{BlockKey, KvGeometry, NamespaceFingerprint};
+use kvtier_core::{BlockKey, KvGeometry, NamespaceFingerprint, Tier};
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -63,21 +63,12 @@ impl Default for TieredStoreConfig {
     }
 }
 
-/// Where a matched block is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum BlockTier {
-    /// In the host tier: a load is one copy.
-    Host,
-    /// On disk only: a load reads it into a host page first.
-    Disk,
-}
-
 /// The leading run of keys found in some tier.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrefixMatch {
-    /// Tier of each leading block found (a block in no tier ends the run).
-    pub tiers: Vec<BlockTier>,
+    /// Tier of each leading block found, [`Tier::Host`] or [`Tier::Disk`] (a block in no tier
+    /// ends the run).
+    pub tiers: Vec<Tier>,
     /// Blocks this match admitted to disk (write-through): the caller should persist them.
     pub admitted: Vec<BlockKey>,
 }
@@ -85,11 +76,11 @@ pub struct PrefixMatch {
 impl PrefixMatch {
     /// Matched blocks in the host tier.
     pub fn host_blocks(&self) -> usize {
-        self.tiers.iter().filter(|t| **t == BlockTier::Host).count()
+        self.tiers.iter().filter(|t| **t == Tier::Host).count()
     }
     /// Matched blocks only on disk.
     pub fn disk_blocks(&self) -> usize {
-        self.tiers.iter().filter(|t| **t == BlockTier::Disk).count()
+        self.tiers.iter().filter(|t| **t == Tier::Disk).count()
     }
 }
 
@@ -189,12 +180,12 @@ impl TieredStore {
             _ => 0,
         };
         let (pages, reached) = self.host.match_prefix_counting(ns, keys, threshold);
-        let mut tiers = vec![BlockTier::Host; pages.len()];
+        let mut tiers = vec![Tier::Host; pages.len()];
         for &key in &keys[pages.len()..] {
             if self.disk.as_ref().is_some_and(|d| d.contains(ns, key)) {
-                tiers.push(BlockTier::Disk);
+                tiers.push(Tier::Disk);
             } else if self.host.contains(ns, key) {
-                tiers.push(BlockTier::Host);
+                tiers.push(Tier::Host);
             } else {
                 break;
             }

@@ -7,8 +7,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use common::*;
-use kvtier_core::{ByteSize, Dtype, KvGeometry};
-use kvtier_store::{BlockTier, DiskTierConfig, TieredStore, WritePolicy};
+use kvtier_core::{ByteSize, Dtype, KvGeometry, Tier};
+use kvtier_store::{DiskTierConfig, TieredStore, WritePolicy};
 use kvtier_transfer::{LoadEvent, TransferConfig};
 
 fn geo() -> KvGeometry {
@@ -141,7 +141,7 @@ fn evicted_blocks_are_demoted_to_disk_and_still_load() {
     let m = r.store.match_prefix(NS, &all[..8]);
     assert_eq!(
         m.tiers,
-        vec![BlockTier::Disk; 8],
+        vec![Tier::Disk; 8],
         "the first chunk lives on disk only now"
     );
     r.scrub(64, 8);
