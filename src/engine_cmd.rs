@@ -9,6 +9,8 @@ use kvtier_core::Dtype;
 use kvtier_engine::http::{AppState, router};
 use kvtier_engine::{Engine, EngineConfig, KvReuse, TextCodec, load_model};
 
+use crate::flags::BlockTokensFlag;
+
 /// Flags shared by everything that starts an engine.
 #[derive(Debug, Args, Clone)]
 pub struct EngineFlags {
@@ -33,9 +35,8 @@ pub struct EngineFlags {
     /// KV dtype in the device pool: bf16, f16 or f32.
     #[arg(long, default_value = "bf16")]
     pub kv_dtype: Dtype,
-    /// Tokens per KV block.
-    #[arg(long, default_value_t = 64)]
-    pub block_tokens: u32,
+    #[command(flatten)]
+    pub block: BlockTokensFlag,
     /// Device pool size in blocks.
     #[arg(long, default_value_t = 1024)]
     pub device_slots: u32,
@@ -56,7 +57,7 @@ impl EngineFlags {
         EngineConfig {
             seed: self.seed,
             kv_dtype: self.kv_dtype,
-            block_tokens: self.block_tokens,
+            block_tokens: self.block.block_tokens,
             device_slots: self.device_slots,
             pool_path: self.pool_path.clone(),
             kv_reuse: self.kv_reuse,
@@ -168,9 +169,8 @@ pub struct EngineBenchArgs {
     /// Concurrent sequences of the decode measurements.
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     pub decode_batch: Vec<usize>,
-    /// Tokens per KV block.
-    #[arg(long, default_value_t = 64)]
-    pub block_tokens: u32,
+    #[command(flatten)]
+    pub block: BlockTokensFlag,
     /// Chunked-prefill budget (tokens per forward pass).
     #[arg(long, default_value_t = 512)]
     pub max_batch_tokens: usize,
@@ -195,7 +195,7 @@ pub fn bench(a: EngineBenchArgs) -> Result<()> {
         rounds: a.rounds,
         decode_tokens: a.decode_tokens,
         decode_batches: a.decode_batch,
-        block_tokens: a.block_tokens,
+        block_tokens: a.block.block_tokens,
         max_batch_tokens: a.max_batch_tokens,
         sidecar: kvtier_bench::SidecarTarget::parse(&a.sidecar),
         host_capacity: a.host_capacity,
@@ -255,9 +255,8 @@ pub struct ServeBenchArgs {
     /// Scenarios, comma separated: recompute, host, disk, hbm.
     #[arg(long, value_delimiter = ',', default_value = "recompute,host,disk,hbm")]
     pub scenarios: Vec<kvtier_bench::Scenario>,
-    /// KV block size of the engine it starts.
-    #[arg(long, default_value_t = 64)]
-    pub block_tokens: u32,
+    #[command(flatten)]
+    pub block: BlockTokensFlag,
     /// Chunked-prefill budget of the engine it starts.
     #[arg(long, default_value_t = 512)]
     pub max_batch_tokens: usize,
@@ -290,7 +289,7 @@ impl ServeBenchArgs {
             request_rate: self.request_rate,
             batches: self.batch.clone(),
             scenarios: self.scenarios.clone(),
-            block_tokens: self.block_tokens,
+            block_tokens: self.block.block_tokens,
             max_batch_tokens: self.max_batch_tokens,
             host_capacity: self.host_capacity,
             disk_capacity: self.disk_capacity,

@@ -1,6 +1,7 @@
 //! The `kvtier` command line: benchmarks and tools for kvtier's tiered KV-cache offload.
 
 use std::io::Write;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -10,12 +11,15 @@ use kvtier_bench::{
     MatchBenchConfig, OffloadConfig, ProgressBar, RecoveryConfig, SidecarTarget, run_match, run_offload,
     run_offload_sidecar, run_recovery,
 };
-use kvtier_core::{BlockHasher, ByteSize, Dtype, KvGeometry, Namespace, Tier};
+use kvtier_core::{BlockHasher, ByteSize, Namespace, Tier};
 use kvtier_server::ServerConfig;
-use kvtier_store::{DirectIo, EvictionKind};
+use kvtier_store::{DirectIo, DiskTierConfig, EvictionKind};
 use kvtier_transfer::TransferConfig;
 
 mod engine_cmd;
+mod flags;
+
+use flags::GeometryArgs;
 
 /// kvtier keeps the KV cache of prompt prefixes an LLM engine has already computed, in device
 /// memory, host memory and on disk, and moves it between tiers with full-duplex load/store
@@ -71,17 +75,18 @@ struct ServeArgs {
     socket: Option<PathBuf>,
     /// TCP address, e.g. 127.0.0.1:50051 (sets server.tcp).
     #[arg(long)]
-    tcp: Option<String>,
+    tcp: Option<SocketAddr>,
     /// Prometheus exporter address, or "off" (sets server.metrics).
-    #[arg(long)]
-    metrics: Option<String>,
+    #[arg(long, value_parser = parse_metrics)]
+    metrics: Option<Metrics>,
     /// Host tier size, e.g. 8GiB (sets host.capacity).
     #[arg(long)]
     host_capacity: Option<ByteSize>,
     /// Disk tier directory (sets disk.dir; enables the disk tier).
     #[arg(long)]
     disk_dir: Option<PathBuf>,
-    /// Any setting as key.path=value (repeatable), e.g. --set model.layers=1.
+    /// Any setting as key.path=value (repeatable), e.g. --set model.layers=1. The flags above
+    /// win over it for the settings they name.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
     /// Print the effective configuration as TOML and exit.
@@ -136,26 +141,6 @@ struct RecoveryArgs {
     /// Print one JSON object instead of the lines.
     #[arg(long)]
     json: bool,
-}
-
-/// KV geometry flags shared by several commands.
-#[derive(Debug, Args)]
-struct GeometryArgs {
-    /// Layers whose KV is stored (the seed experiment kept 1 of Qwen3-30B-A3B's 48).
-    #[arg(long, default_value_t = 1)]
-    layers: u32,
-    /// KV heads (per tensor-parallel rank).
-    #[arg(long, default_value_t = 4)]
-    kv_heads: u32,
-    /// Head dimension.
-    #[arg(long, default_value_t = 128)]
-    head_dim: u32,
-    /// KV element type: f32, f16, bf16, fp8_e4m3, fp8_e5m2.
-    #[arg(long, default_value = "bf16")]
-    dtype: Dtype,
-    /// Tokens per block.
-    #[arg(long, default_value_t = 64)]
-    block_tokens: u32,
 }
 
 #[derive(Debug, Args)]
@@ -261,18 +246,6 @@ struct KeysArgs {
     tokens: Vec<u32>,
 }
 
-impl GeometryArgs {
-    fn geometry(&self) -> Result<KvGeometry> {
-        Ok(KvGeometry::new(
-            self.layers,
-            self.kv_heads,
-            self.head_dim,
-            self.dtype,
-            self.block_tokens,
-        )?)
-    }
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(&cli.log);
@@ -324,7 +297,7 @@ fn bench_offload(a: OffloadArgs) -> Result<()> {
         kv_heads: g.kv_heads,
         head_dim: g.head_dim,
         dtype: g.dtype,
-        block_tokens: g.block_tokens,
+        block_tokens: g.block.block_tokens,
         tokens: a.tokens,
         hit_rate: a.hit_rate,
         batch: a.batch,
@@ -427,26 +400,46 @@ fn print_report<R: serde::Serialize>(
     Ok(())
 }
 
+/// `--metrics`: an exporter address or `off`.
+#[derive(Debug, Clone, Copy)]
+struct Metrics(Option<SocketAddr>);
+
+fn parse_metrics(s: &str) -> Result<Metrics, String> {
+    if s == "off" {
+        return Ok(Metrics(None));
+    }
+    s.parse()
+        .map(|a| Metrics(Some(a)))
+        .map_err(|e| format!("{s:?}: {e}; give host:port or off"))
+}
+
+impl ServeArgs {
+    /// Assigns the typed flags over the loaded configuration (they win over files,
+    /// variables and --set).
+    fn apply(&self, config: &mut ServerConfig) {
+        if let Some(s) = &self.socket {
+            config.server.socket = s.clone();
+        }
+        if let Some(t) = self.tcp {
+            config.server.tcp = Some(t);
+        }
+        if let Some(Metrics(m)) = self.metrics {
+            config.server.metrics = m;
+        }
+        if let Some(c) = self.host_capacity {
+            config.host.capacity = c;
+        }
+        if let Some(d) = &self.disk_dir {
+            let disk = config.disk.get_or_insert_with(DiskTierConfig::default);
+            disk.dir = d.clone();
+        }
+    }
+}
+
 fn serve(a: ServeArgs) -> Result<()> {
-    let mut overrides = Vec::new();
-    let quote = |s: &str| format!("{s:?}");
-    if let Some(s) = &a.socket {
-        overrides.push(format!("server.socket={}", quote(&s.display().to_string())));
-    }
-    if let Some(t) = &a.tcp {
-        overrides.push(format!("server.tcp={}", quote(t)));
-    }
-    if let Some(m) = &a.metrics {
-        overrides.push(format!("server.metrics={}", quote(m)));
-    }
-    if let Some(c) = a.host_capacity {
-        overrides.push(format!("host.capacity={}", quote(&c.to_string())));
-    }
-    if let Some(d) = &a.disk_dir {
-        overrides.push(format!("disk.dir={}", quote(&d.display().to_string())));
-    }
-    overrides.extend(a.set.iter().cloned());
-    let config = ServerConfig::load(a.config.as_deref(), std::env::vars(), &overrides)?;
+    let mut config = ServerConfig::load(a.config.as_deref(), std::env::vars(), &a.set)?;
+    a.apply(&mut config);
+    config.validate()?;
     if a.print_config {
         print!("{}", config.to_toml());
         return Ok(());

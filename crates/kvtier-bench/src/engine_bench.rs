@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvtier_core::{BlockHasher, ByteSize, Namespace};
+use kvtier_core::{BlockHasher, ByteSize, KvGeometry, Namespace};
 use kvtier_engine::{Engine, EngineConfig, EngineStats, GenRequest, KvReuse, Sampling, Usage, load_model};
 use serde::Serialize;
 
@@ -52,7 +52,7 @@ impl Default for EngineBenchConfig {
             rounds: 3,
             decode_tokens: 32,
             decode_batches: vec![1, 8],
-            block_tokens: 64,
+            block_tokens: KvGeometry::DEFAULT_BLOCK_TOKENS,
             max_batch_tokens: 512,
             sidecar: SidecarTarget::InProcess,
             host_capacity: ByteSize::gib(2),

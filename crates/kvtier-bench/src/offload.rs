@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvtier_core::{ByteSize, Dtype, Tier};
+use kvtier_core::{ByteSize, Dtype, KvGeometry, Tier};
 use kvtier_store::{
     DirectIo, DiskTierConfig, EvictionKind, HostTierConfig, TieredStore, TieredStoreConfig, TieredStoreStats,
     WritePolicy,
@@ -68,10 +68,10 @@ impl Default for OffloadConfig {
     fn default() -> Self {
         Self {
             layers: 1,
-            kv_heads: 4,
-            head_dim: 128,
+            kv_heads: KvGeometry::QWEN3_30B_A3B_KV_HEADS,
+            head_dim: KvGeometry::QWEN3_30B_A3B_HEAD_DIM,
             dtype: Dtype::Bf16,
-            block_tokens: 64,
+            block_tokens: KvGeometry::DEFAULT_BLOCK_TOKENS,
             tokens: 10_000,
             hit_rate: 0.9,
             batch: 16,

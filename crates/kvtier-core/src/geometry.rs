@@ -133,6 +133,32 @@ const MAX_BLOCK_LAYER_BYTES: u64 = 1 << 30;
 const MAX_LAYERS: u32 = 4096;
 
 impl KvGeometry {
+    /// Tokens per block where none is configured: what the seed experiments measured and the
+    /// sidecar, the engine and every benchmark default to.
+    pub const DEFAULT_BLOCK_TOKENS: u32 = 64;
+    /// KV heads per rank of Qwen3-30B-A3B, the model kvtier is sized and measured for.
+    pub const QWEN3_30B_A3B_KV_HEADS: u32 = 4;
+    /// Head dimension of Qwen3-30B-A3B.
+    pub const QWEN3_30B_A3B_HEAD_DIM: u32 = 128;
+    /// Layers of Qwen3-30B-A3B.
+    pub const QWEN3_30B_A3B_LAYERS: u32 = 48;
+
+    /// `layers` of Qwen3-30B-A3B's KV (4 KV heads, head_dim 128, bf16) in blocks of
+    /// [`KvGeometry::DEFAULT_BLOCK_TOKENS`]: the sidecar serves all 48 layers by default, the
+    /// offload benchmark moves 1 as the seed experiment did.
+    ///
+    /// # Errors
+    /// As [`KvGeometry::new`] (`layers` 0 or over 4096).
+    pub fn qwen3_30b_a3b(layers: u32) -> Result<Self, CoreError> {
+        Self::new(
+            layers,
+            Self::QWEN3_30B_A3B_KV_HEADS,
+            Self::QWEN3_30B_A3B_HEAD_DIM,
+            Dtype::Bf16,
+            Self::DEFAULT_BLOCK_TOKENS,
+        )
+    }
+
     /// Validates and builds a geometry.
     ///
     /// # Errors

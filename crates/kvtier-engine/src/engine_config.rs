@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use kvtier_core::Dtype;
+use kvtier_core::{Dtype, KvGeometry};
 use serde::{Deserialize, Serialize};
 
 use crate::EngineError;
@@ -86,7 +86,7 @@ impl Default for EngineConfig {
         Self {
             seed: 0,
             kv_dtype: Dtype::Bf16,
-            block_tokens: 64,
+            block_tokens: KvGeometry::DEFAULT_BLOCK_TOKENS,
             device_slots: 1024,
             pool_path: None,
             kv_reuse: KvReuse::Tiered,

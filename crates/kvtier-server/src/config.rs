@@ -117,11 +117,11 @@ pub struct ModelConfig {
 impl Default for ModelConfig {
     fn default() -> Self {
         Self {
-            layers: 48,
-            kv_heads: 4,
-            head_dim: 128,
+            layers: KvGeometry::QWEN3_30B_A3B_LAYERS,
+            kv_heads: KvGeometry::QWEN3_30B_A3B_KV_HEADS,
+            head_dim: KvGeometry::QWEN3_30B_A3B_HEAD_DIM,
             dtype: Dtype::Bf16,
-            block_tokens: 64,
+            block_tokens: KvGeometry::DEFAULT_BLOCK_TOKENS,
         }
     }
 }
