@@ -9,8 +9,10 @@
 //! - [`Model::forward`]: a batch of prefill chunks and decode tokens over paged KV.
 #![warn(missing_docs)]
 
+mod command;
 pub mod engine;
 mod engine_config;
+mod engine_stats;
 mod error;
 pub mod http;
 pub mod kv_pages;
@@ -25,8 +27,9 @@ pub mod slot_cache;
 pub mod text_codec;
 mod weights;
 
-pub use engine::{Engine, EngineStats};
+pub use engine::Engine;
 pub use engine_config::{EngineConfig, KvReuse};
+pub use engine_stats::EngineStats;
 pub use error::EngineError;
 pub use kv_pages::KvPages;
 pub use model::{Model, SeqChunk};

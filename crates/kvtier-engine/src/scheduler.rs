@@ -11,15 +11,15 @@ use kvtier_core::{BlockHasher, BlockKey, KvGeometry, Namespace, Tier};
 use kvtier_transfer::CpuDevicePool;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::engine::{Command, EngineStats};
+use crate::command::Command;
 use crate::kv_pages::KvPages;
 use crate::model::{Model, SeqChunk};
 use crate::sampling::Sampler;
 use crate::sidecar_link::{LoadEnd, LoadProgress, SidecarLink, StoreLog, Window};
 use crate::slot_cache::{Residency, SlotCache};
 use crate::{
-    CachedTokens, EngineConfig, EngineError, FinishReason, GenRequest, KvReuse, SeqEvent, TransferSpan,
-    Transfers, Usage,
+    CachedTokens, EngineConfig, EngineError, EngineStats, FinishReason, GenRequest, KvReuse, SeqEvent,
+    TransferSpan, Transfers, Usage,
 };
 
 /// A kvtier load a sequence is waiting on: blocks `first .. first + hits.len()`.
