@@ -325,13 +325,10 @@ impl HostTier {
             dashmap::Entry::Vacant(v) => {
                 v.insert(page);
                 drop(st);
-                Ok(Reservation::Writer(PageWriter {
-                    inner: Arc::clone(inner),
-                    page,
-                    key,
+                Ok(Reservation::Writer(PageWriter::new(
+                    HostPage::new(Arc::clone(inner), page, key),
                     parent,
-                    committed: false,
-                }))
+                )))
             }
         }
     }
@@ -458,11 +455,8 @@ impl HostTier {
         // Incremented under the index shard's read lock: eviction cannot run concurrently.
         meta.pins.fetch_add(1, Ordering::AcqRel);
         drop(guard);
-        Some(PinnedPage {
-            inner: Arc::clone(&self.inner),
-            page,
-            key,
-        })
+        // The pin just taken is the handle's to release.
+        Some(PinnedPage::new(HostPage::new(Arc::clone(&self.inner), page, key)))
     }
 
     /// Pins every key, or none.
@@ -616,174 +610,9 @@ impl Inner {
     }
 }
 
-/// A pin on one resident block: while it lives, the page is neither evicted nor removed.
-/// Dropping it releases the pin (so a transfer whose requester vanished releases its pages as
-/// soon as the transfer is dropped).
-#[derive(Debug)]
-pub struct PinnedPage {
-    inner: Arc<Inner>,
-    page: PageId,
-    key: BlockKey,
-}
+mod page_handles;
 
-impl PinnedPage {
-    /// The block's key.
-    pub fn key(&self) -> BlockKey {
-        self.key
-    }
-    /// The page holding it.
-    pub fn page(&self) -> PageId {
-        self.page
-    }
-    /// The arena region the page lives in.
-    pub fn region(&self) -> &ShmRegion {
-        self.inner.arena.region()
-    }
-    /// `(offset, len)` of `layer` of this block in [`PinnedPage::region`].
-    ///
-    /// # Errors
-    /// [`StoreError::LayerOutOfRange`].
-    pub fn layer_range(&self, layer: u32) -> Result<(usize, usize), StoreError> {
-        self.inner.arena.layer_range(self.page, layer)
-    }
-    /// Copies `layer` of the block into `dst` (exactly one block-layer long).
-    ///
-    /// # Errors
-    /// [`StoreError::LayerOutOfRange`], [`StoreError::BufferSize`].
-    pub fn read_layer(&self, layer: u32, dst: &mut [u8]) -> Result<(), StoreError> {
-        self.region().read_range(self.layer_range(layer)?, dst)
-    }
-    /// `xxh3_64` of `layer` of the block (verification without a copy).
-    ///
-    /// # Errors
-    /// [`StoreError::LayerOutOfRange`].
-    pub fn layer_xxh3(&self, layer: u32) -> Result<u64, StoreError> {
-        let (off, len) = self.layer_range(layer)?;
-        self.region().xxh3_64(off, len)
-    }
-}
-
-impl Clone for PinnedPage {
-    /// Another pin on the same page.
-    fn clone(&self) -> Self {
-        self.inner.meta[self.page as usize]
-            .pins
-            .fetch_add(1, Ordering::AcqRel);
-        Self {
-            inner: Arc::clone(&self.inner),
-            page: self.page,
-            key: self.key,
-        }
-    }
-}
-
-impl Drop for PinnedPage {
-    fn drop(&mut self) {
-        self.inner.meta[self.page as usize]
-            .pins
-            .fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// Exclusive write access to a reserved page. The block becomes visible only on
-/// [`PageWriter::commit`]; dropping the writer without committing frees the page and forgets
-/// the key, so a failed or abandoned store leaves nothing half-written behind.
-#[derive(Debug)]
-pub struct PageWriter {
-    inner: Arc<Inner>,
-    page: PageId,
-    key: BlockKey,
-    parent: Option<BlockKey>,
-    committed: bool,
-}
-
-impl PageWriter {
-    /// The block's key.
-    pub fn key(&self) -> BlockKey {
-        self.key
-    }
-    /// The reserved page.
-    pub fn page(&self) -> PageId {
-        self.page
-    }
-    /// The arena region the page lives in.
-    pub fn region(&self) -> &ShmRegion {
-        self.inner.arena.region()
-    }
-    /// `(offset, len)` of `layer` of this page in [`PageWriter::region`].
-    ///
-    /// # Errors
-    /// [`StoreError::LayerOutOfRange`].
-    pub fn layer_range(&self, layer: u32) -> Result<(usize, usize), StoreError> {
-        self.inner.arena.layer_range(self.page, layer)
-    }
-    /// Copies one block-layer from `src` into the page.
-    ///
-    /// # Errors
-    /// [`StoreError::LayerOutOfRange`], [`StoreError::BufferSize`].
-    pub fn write_layer(&self, layer: u32, src: &[u8]) -> Result<(), StoreError> {
-        self.region().write_range(self.layer_range(layer)?, src)
-    }
-
-    /// Publishes the block: from now on matches and pins see it. The caller asserts every layer
-    /// was written.
-    pub fn commit(mut self) {
-        self.publish();
-    }
-
-    /// Publishes the block and returns a pin on it, so it cannot be evicted before the caller
-    /// uses it (a block promoted from disk on its way to a device).
-    pub fn commit_pinned(mut self) -> PinnedPage {
-        self.inner.meta[self.page as usize]
-            .pins
-            .fetch_add(1, Ordering::AcqRel);
-        self.publish();
-        PinnedPage {
-            inner: Arc::clone(&self.inner),
-            page: self.page,
-            key: self.key,
-        }
-    }
-
-    fn publish(&mut self) {
-        let inner = &self.inner;
-        let mut st = inner.lock_alloc();
-        let page = self.page;
-        if let Some(parent) = self.parent
-            && let Some(pp) = inner.index.get(&parent).map(|p| *p)
-            && pp != page
-            && inner.meta[pp as usize].state.load(Ordering::Acquire) != FREE
-        {
-            let generation = st.links[pp as usize].generation;
-            st.links[pp as usize].children += 1;
-            st.links[page as usize].parent = Some((pp, generation));
-        }
-        inner.meta[page as usize].state.store(READY, Ordering::Release);
-        st.policy.on_insert(page, self.key);
-        inner.counters.inserts.fetch_add(1, Ordering::Relaxed);
-        self.committed = true;
-        drop(st);
-        inner.notify_settled();
-    }
-}
-
-impl Drop for PageWriter {
-    fn drop(&mut self) {
-        if self.committed {
-            return;
-        }
-        let inner = &self.inner;
-        let mut st = inner.lock_alloc();
-        let page = self.page;
-        inner.index.remove_if(&self.key, |_, p| *p == page);
-        inner.meta[page as usize].state.store(FREE, Ordering::Release);
-        Inner::release_links(&mut st.links, page);
-        st.free.push(page);
-        inner.counters.aborted_writes.fetch_add(1, Ordering::Relaxed);
-        drop(st);
-        inner.notify_settled();
-    }
-}
+pub use page_handles::{HostPage, PageWriter, PinnedPage};
 
 #[cfg(test)]
 mod tests;

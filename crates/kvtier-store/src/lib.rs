@@ -32,7 +32,8 @@ pub use error::StoreError;
 pub use eviction::{EvictionKind, EvictionPolicy, Lru, PageId, S3Fifo};
 pub use host_arena::{ArenaBacking, HostArena, PAGE_ALIGN};
 pub use host_tier::{
-    HostBacking, HostTier, HostTierConfig, HostTierStats, PageWriter, PinnedPage, Removal, Reservation,
+    HostBacking, HostPage, HostTier, HostTierConfig, HostTierStats, PageWriter, PinnedPage, Removal,
+    Reservation,
 };
 pub use shm_region::{Prefault, ShmRegion};
 pub use tiered_store::{PrefixMatch, TieredStore, TieredStoreConfig, TieredStoreStats, WritePolicy};
