@@ -2,6 +2,8 @@
 
 use std::sync::Arc;
 
+use kvtier_core::Tier;
+use kvtier_proto::proto;
 use kvtier_store::TieredStoreStats;
 use kvtier_transfer::{QueueStats, Route, RouteStats};
 use metrics::{counter, gauge};
@@ -10,7 +12,6 @@ use serde::Serialize;
 use crate::metric_names as m;
 use crate::session::SessionStats;
 use crate::state::ServerState;
-use kvtier_proto::proto;
 
 /// Every figure of the sidecar at one moment.
 #[derive(Debug, Clone, Serialize)]
@@ -59,21 +60,24 @@ impl Snapshot {
         }
         gauge!(m::DISK_PENDING_WRITES).set(self.store_queue.pending_disk_blocks as f64);
         let h = &self.tiers.host;
-        gauge!(m::TIER_USED_BYTES, "tier" => "host").set((u64::from(h.used_pages) * h.page_bytes) as f64);
-        gauge!(m::TIER_CAPACITY_BYTES, "tier" => "host")
+        gauge!(m::TIER_USED_BYTES, "tier" => Tier::Host.name())
+            .set((u64::from(h.used_pages) * h.page_bytes) as f64);
+        gauge!(m::TIER_CAPACITY_BYTES, "tier" => Tier::Host.name())
             .set((u64::from(h.capacity_pages) * h.page_bytes) as f64);
-        gauge!(m::TIER_BLOCKS, "tier" => "host").set(h.resident_blocks as f64);
-        gauge!(m::TIER_BLOCKS, "tier" => "device").set(self.sessions.device_blocks as f64);
-        counter!(m::EVICTIONS, "tier" => "host").absolute(h.evictions_total);
+        gauge!(m::TIER_BLOCKS, "tier" => Tier::Host.name()).set(h.resident_blocks as f64);
+        gauge!(m::TIER_BLOCKS, "tier" => Tier::Device.name()).set(self.sessions.device_blocks as f64);
+        counter!(m::EVICTIONS, "tier" => Tier::Host.name()).absolute(h.evictions_total);
         let s = &self.store_queue;
         counter!(m::DROPPED_STORES, "reason" => "queue_full").absolute(s.rejected_blocks_total);
         counter!(m::DROPPED_STORES, "reason" => "no_space").absolute(s.no_space_blocks_total);
         counter!(m::DROPPED_DISK_WRITES, "reason" => "queue_full").absolute(s.persist_rejected_blocks_total);
         let d = self.tiers.disk;
-        gauge!(m::TIER_USED_BYTES, "tier" => "disk").set(d.map_or(0, |d| d.bytes) as f64);
-        gauge!(m::TIER_CAPACITY_BYTES, "tier" => "disk").set(d.map_or(0, |d| d.capacity_bytes) as f64);
-        gauge!(m::TIER_BLOCKS, "tier" => "disk").set(d.map_or(0, |d| d.entries) as f64);
-        counter!(m::EVICTIONS, "tier" => "disk").absolute(d.map_or(0, |d| d.reclaimed_entries_total));
+        gauge!(m::TIER_USED_BYTES, "tier" => Tier::Disk.name()).set(d.map_or(0, |d| d.bytes) as f64);
+        gauge!(m::TIER_CAPACITY_BYTES, "tier" => Tier::Disk.name())
+            .set(d.map_or(0, |d| d.capacity_bytes) as f64);
+        gauge!(m::TIER_BLOCKS, "tier" => Tier::Disk.name()).set(d.map_or(0, |d| d.entries) as f64);
+        counter!(m::EVICTIONS, "tier" => Tier::Disk.name())
+            .absolute(d.map_or(0, |d| d.reclaimed_entries_total));
         counter!(m::DROPPED_DISK_WRITES, "reason" => "no_space")
             .absolute(d.map_or(0, |d| d.dropped_writes_no_space_total));
         counter!(m::DROPPED_DISK_WRITES, "reason" => "io_error")
