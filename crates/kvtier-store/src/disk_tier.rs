@@ -10,28 +10,35 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::{File, OpenOptions};
-use std::io::{self, Write};
+use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
 use kvtier_core::{BlockKey, ByteSize, KvGeometry, NamespaceFingerprint};
 use serde::{Deserialize, Serialize};
 
-use crate::aligned_buf::{AlignedBuf, IO_ALIGN};
-use crate::disk_format::{
-    EntryHeader, FormatError, HEADER_BYTES, IndexRecord, RegionHeader, decode_index, encode_index,
-};
+use crate::aligned_buf::AlignedBuf;
+use crate::disk_format::{EntryHeader, HEADER_BYTES, IndexRecord};
 use crate::key_hasher::KeyHasherBuilder;
 use crate::shm_region::ShmRegion;
 use crate::{PAGE_ALIGN, StoreError};
 
+mod clear_records;
+mod dir_lock;
+mod recovery;
+mod region;
 mod space;
 mod syncer;
+
+pub use recovery::RecoveryReport;
+
+use clear_records::{read_cleared, write_cleared};
+use dir_lock::{lock_dir, prepare_dir, probe_direct_io};
 
 /// Whether the disk tier bypasses the page cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -92,45 +99,6 @@ impl Default for DiskTierConfig {
             fsync_interval_ms: 1000,
         }
     }
-}
-
-/// What opening a disk tier found.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct RecoveryReport {
-    /// Region files opened.
-    pub regions: usize,
-    /// Blocks recovered into the index.
-    pub entries: u64,
-    /// Regions whose index file was used.
-    pub regions_from_index: usize,
-    /// Regions whose entries were scanned (no usable index file).
-    pub regions_scanned: usize,
-    /// Entries dropped because a header or payload failed its checksum.
-    pub corrupt: u64,
-    /// Entries cut short by the end of a truncated file.
-    pub torn: u64,
-    /// Entries or regions of another format version, skipped.
-    pub skipped_other_version: u64,
-    /// Regions whose header was unreadable, skipped.
-    pub unreadable_regions: usize,
-    /// Wall time of the recovery.
-    #[serde(serialize_with = "ser_secs")]
-    pub elapsed: Duration,
-}
-
-impl RecoveryReport {
-    fn merge(&mut self, o: &RecoveryReport) {
-        self.regions_from_index += o.regions_from_index;
-        self.regions_scanned += o.regions_scanned;
-        self.corrupt += o.corrupt;
-        self.torn += o.torn;
-        self.skipped_other_version += o.skipped_other_version;
-        self.unreadable_regions += o.unreadable_regions;
-    }
-}
-
-fn ser_secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_f64(d.as_secs_f64())
 }
 
 /// A snapshot of a disk tier's counters.
@@ -197,15 +165,6 @@ struct Region {
     finished: AtomicU32,
 }
 
-impl Region {
-    fn records(&self) -> MutexGuard<'_, Vec<IndexRecord>> {
-        self.records.lock().unwrap_or_else(|e| e.into_inner())
-    }
-    fn index_path(&self) -> PathBuf {
-        self.path.with_extension("idx")
-    }
-}
-
 #[derive(Debug)]
 struct Active {
     region: Option<Arc<Region>>,
@@ -255,7 +214,6 @@ thread_local! {
     static HEADER_BUF: RefCell<AlignedBuf> = RefCell::new(AlignedBuf::new(HEADER_BYTES));
 }
 
-const LOCK_FILE: &str = "LOCK";
 /// Regions opened (and scanned) at once during recovery.
 const RECOVERY_THREADS: usize = 4;
 
@@ -264,16 +222,6 @@ type RegionRecovery = (
     Result<Option<(Region, Vec<IndexRecord>)>, StoreError>,
     RecoveryReport,
 );
-const CLEARED_FILE: &str = "CLEARED";
-
-fn region_path(dir: &Path, id: u64) -> PathBuf {
-    dir.join(format!("region-{id:016x}.kvt"))
-}
-
-fn parse_region_name(name: &str) -> Option<u64> {
-    let hex = name.strip_prefix("region-")?.strip_suffix(".kvt")?;
-    (hex.len() == 16).then(|| u64::from_str_radix(hex, 16).ok())?
-}
 
 fn is_full(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EFBIG | libc::EDQUOT))
@@ -686,413 +634,6 @@ impl Inner {
         }
         o
     }
-
-    /// The next free slot of the active region, starting a new region (and reclaiming the
-    /// oldest) when it is full.
-    fn reserve_slot(&self) -> Result<(Arc<Region>, u32), StoreError> {
-        let mut a = lock_poisoned(self.active.lock());
-        if let Some(r) = a.region.clone()
-            && a.next_slot < r.slots
-        {
-            let slot = a.next_slot;
-            a.next_slot += 1;
-            return Ok((r, slot));
-        }
-        let now = Instant::now();
-        if !a.full.may_try(now) {
-            return Err(StoreError::DiskFull {
-                path: self.dir.clone(),
-                source: io::Error::from_raw_os_error(libc::ENOSPC),
-            });
-        }
-        let id = a.next_id;
-        loop {
-            let oldest = {
-                let regions = lock_poisoned(self.regions.read());
-                if regions.len() < self.max_regions {
-                    break;
-                }
-                regions.keys().next().copied()
-            };
-            match oldest {
-                Some(old) => self.reclaim(old),
-                None => break,
-            }
-        }
-        let created = match self.create_region(id) {
-            // The file system holds less than the capacity: one region out, one in, so the tier
-            // keeps to what fits.
-            Err(StoreError::DiskFull { .. }) if self.reclaim_oldest() => self.create_region(id),
-            r => r,
-        };
-        let region = match created {
-            Ok(r) => {
-                if let Some(spell) = a.full.found_room(now) {
-                    tracing::info!(
-                        dir = %self.dir.display(),
-                        full_ms = spell.as_millis() as u64,
-                        "disk tier writes resumed"
-                    );
-                }
-                Arc::new(r)
-            }
-            Err(e) => {
-                if let StoreError::DiskFull { path, .. } = &e {
-                    self.note_full(&mut a.full, path);
-                }
-                return Err(e);
-            }
-        };
-        lock_poisoned(self.regions.write()).insert(id, Arc::clone(&region));
-        a.next_id = id + 1;
-        a.region = Some(Arc::clone(&region));
-        a.next_slot = 1;
-        Ok((region, 0))
-    }
-
-    fn create_region(&self, id: u64) -> Result<Region, StoreError> {
-        let path = region_path(&self.dir, id);
-        let full_or = |e: io::Error, op| {
-            if is_full(&e) {
-                StoreError::DiskFull {
-                    path: path.clone(),
-                    source: e,
-                }
-            } else {
-                StoreError::io(op, &path, e)
-            }
-        };
-        let file = self
-            .open_options()
-            .create_new(true)
-            .open(&path)
-            .map_err(|e| full_or(e, "create"))?;
-        let len = HEADER_BYTES as u64 + u64::from(self.slots_per_region) * self.entry_stride;
-        let fail = |e: io::Error, op| {
-            let _ = std::fs::remove_file(&path);
-            full_or(e, op)
-        };
-        // Reserve the whole region now: a full disk fails here, not in the middle of a block.
-        // SAFETY: fallocate on an open descriptor with a valid range.
-        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) };
-        if rc != 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
-                file.set_len(len).map_err(|e| fail(e, "ftruncate"))?;
-            } else {
-                return Err(fail(e, "fallocate"));
-            }
-        }
-        let mut header = AlignedBuf::new(HEADER_BYTES);
-        RegionHeader {
-            geometry: self.geometry,
-            slots: self.slots_per_region,
-            entry_stride: self.entry_stride,
-            region_id: id,
-        }
-        .encode(&mut header);
-        file.write_all_at(&header, 0).map_err(|e| fail(e, "write"))?;
-        tracing::debug!(region = id, path = %path.display(), "disk region created");
-        Ok(Region {
-            id,
-            path,
-            file,
-            slots: self.slots_per_region,
-            records: Mutex::new(Vec::new()),
-            finished: AtomicU32::new(0),
-        })
-    }
-
-    /// Records a finished slot; the one that completes a full region writes its index.
-    fn finish_slot(&self, region: &Region, record: Option<IndexRecord>) {
-        if let Some(r) = record {
-            region.records().push(r);
-        }
-        if region.finished.fetch_add(1, Ordering::AcqRel) + 1 == region.slots
-            && let Err(e) = self.write_index(region)
-        {
-            tracing::warn!(region = region.id, error = %e, "could not write region index; a restart will scan it");
-        }
-    }
-
-    fn write_index(&self, region: &Region) -> Result<(), StoreError> {
-        let records = region.records().clone();
-        self.write_index_records(region, &records)
-    }
-
-    fn write_index_records(&self, region: &Region, records: &[IndexRecord]) -> Result<(), StoreError> {
-        let path = region.index_path();
-        let tmp = path.with_extension("idx.tmp");
-        let bytes = encode_index(region.id, records);
-        let write = || -> io::Result<()> {
-            let mut f = File::create(&tmp)?;
-            f.write_all(&bytes)?;
-            f.sync_data()?;
-            std::fs::rename(&tmp, &path)
-        };
-        write().map_err(|e| StoreError::io("write index", &path, e))
-    }
-
-    /// Reclaims the oldest region; whether there was one.
-    fn reclaim_oldest(&self) -> bool {
-        let oldest = lock_poisoned(self.regions.read()).keys().next().copied();
-        oldest.inspect(|&id| self.reclaim(id)).is_some()
-    }
-
-    /// Drops region `id`: its entries leave the index, its files are deleted (readers that
-    /// still hold it finish from the open descriptor).
-    fn reclaim(&self, id: u64) {
-        let Some(region) = lock_poisoned(self.regions.write()).remove(&id) else {
-            return;
-        };
-        let mut dropped = 0;
-        for r in region.records().iter() {
-            if self.index.remove_if(&r.key, |_, l| l.region == id).is_some() {
-                dropped += 1;
-            }
-        }
-        let _ = std::fs::remove_file(&region.path);
-        let _ = std::fs::remove_file(region.index_path());
-        self.counters.reclaimed_regions.fetch_add(1, Ordering::Relaxed);
-        self.counters
-            .reclaimed_entries
-            .fetch_add(dropped, Ordering::Relaxed);
-        tracing::debug!(region = id, entries = dropped, "disk region reclaimed");
-    }
-
-    /// Rebuilds the index from the region files.
-    fn recover(&self) -> Result<RecoveryReport, StoreError> {
-        let mut report = RecoveryReport::default();
-        let mut ids: Vec<u64> = std::fs::read_dir(&self.dir)
-            .map_err(|e| StoreError::io("read_dir", &self.dir, e))?
-            .filter_map(|e| e.ok()?.file_name().to_str().and_then(parse_region_name))
-            .collect();
-        ids.sort_unstable();
-        let cleared = lock_poisoned(self.cleared.lock()).clone();
-        // Regions are independent: open (and, without an index, scan) several at once, which
-        // also keeps several reads in flight for the disk.
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let threads = ids.len().clamp(1, RECOVERY_THREADS);
-        let mut found: Vec<(u64, RegionRecovery)> = std::thread::scope(|s| {
-            let workers: Vec<_> = (0..threads)
-                .map(|_| {
-                    s.spawn(|| {
-                        let mut out = Vec::new();
-                        loop {
-                            let i = next.fetch_add(1, Ordering::Relaxed);
-                            let Some(&id) = ids.get(i) else { return out };
-                            let mut local = RecoveryReport::default();
-                            let r = self.recover_region(id, &mut local);
-                            out.push((id, (r, local)));
-                        }
-                    })
-                })
-                .collect();
-            workers
-                .into_iter()
-                .flat_map(|w| w.join().unwrap_or_default())
-                .collect()
-        });
-        found.sort_by_key(|(id, _)| *id);
-        let mut max_seq = 0;
-        for (id, (result, local)) in found {
-            report.merge(&local);
-            self.counters.corrupt.fetch_add(local.corrupt, Ordering::Relaxed);
-            let Some((region, records)) = result? else {
-                continue;
-            };
-            report.regions += 1;
-            for rec in records {
-                if cleared.get(&rec.ns).is_some_and(|&upto| rec.seq <= upto) {
-                    continue;
-                }
-                max_seq = max_seq.max(rec.seq);
-                let loc = Loc {
-                    region: id,
-                    slot: rec.slot,
-                    seq: rec.seq,
-                    ns: rec.ns,
-                };
-                self.index
-                    .entry(rec.key)
-                    .and_modify(|l| {
-                        if l.seq < loc.seq {
-                            *l = loc;
-                        }
-                    })
-                    .or_insert(loc);
-                region.records().push(rec);
-            }
-            lock_poisoned(self.regions.write()).insert(id, Arc::new(region));
-        }
-        report.entries = self.index.len() as u64;
-        self.seq.store(
-            max_seq.max(cleared.values().copied().max().unwrap_or(0)),
-            Ordering::Relaxed,
-        );
-        lock_poisoned(self.active.lock()).next_id = ids.last().map_or(1, |l| l + 1);
-        // A smaller capacity than last time: drop the oldest regions.
-        loop {
-            let oldest = {
-                let regions = lock_poisoned(self.regions.read());
-                if regions.len() <= self.max_regions {
-                    break;
-                }
-                regions.keys().next().copied()
-            };
-            match oldest {
-                Some(old) => self.reclaim(old),
-                None => break,
-            }
-        }
-        Ok(report)
-    }
-
-    /// Opens one region file and lists its valid entries (from its index file, or by scanning).
-    /// `None` for a region that is skipped (unreadable header or other format version).
-    fn recover_region(
-        &self,
-        id: u64,
-        report: &mut RecoveryReport,
-    ) -> Result<Option<(Region, Vec<IndexRecord>)>, StoreError> {
-        let path = region_path(&self.dir, id);
-        let file = self
-            .open_options()
-            .open(&path)
-            .map_err(|e| StoreError::io("open", &path, e))?;
-        let len = file
-            .metadata()
-            .map_err(|e| StoreError::io("stat", &path, e))?
-            .len();
-        let mut header = AlignedBuf::new(HEADER_BYTES);
-        let decoded = if len < HEADER_BYTES as u64 {
-            Err(FormatError::Invalid(format!(
-                "{len} bytes, shorter than its header"
-            )))
-        } else {
-            file.read_exact_at(&mut header, 0)
-                .map_err(|e| StoreError::io("read", &path, e))?;
-            RegionHeader::decode(&header)
-        };
-        let rh = match decoded {
-            Ok(h) => h,
-            Err(FormatError::Version(v)) => {
-                tracing::warn!(path = %path.display(), version = v, "skipping disk region of another format version");
-                report.skipped_other_version += 1;
-                return Ok(None);
-            }
-            Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "skipping unreadable disk region");
-                report.unreadable_regions += 1;
-                return Ok(None);
-            }
-        };
-        if rh.geometry != self.geometry {
-            return Err(StoreError::DiskGeometryMismatch {
-                path,
-                expected: self.geometry,
-                found: rh.geometry,
-            });
-        }
-        if rh.entry_stride != self.entry_stride || rh.region_id != id {
-            tracing::warn!(path = %path.display(), "skipping disk region with an inconsistent header");
-            report.unreadable_regions += 1;
-            return Ok(None);
-        }
-        let full_len = HEADER_BYTES as u64 + u64::from(rh.slots) * rh.entry_stride;
-        let region = Region {
-            id,
-            path: path.clone(),
-            file,
-            slots: rh.slots,
-            records: Mutex::new(Vec::new()),
-            finished: AtomicU32::new(rh.slots),
-        };
-        if len >= full_len
-            && let Ok(bytes) = std::fs::read(region.index_path())
-        {
-            match decode_index(&bytes, id) {
-                Ok(records) if records.iter().all(|r| r.slot < rh.slots) => {
-                    report.regions_from_index += 1;
-                    return Ok(Some((region, records)));
-                }
-                Ok(_) => {
-                    tracing::warn!(path = %path.display(), "region index names slots past the region; scanning")
-                }
-                Err(e) => {
-                    tracing::warn!(path = %path.display(), error = %e, "unusable region index; scanning")
-                }
-            }
-        }
-        if len < full_len {
-            tracing::warn!(path = %path.display(), bytes = len, expected_bytes = full_len, "disk region truncated; recovering the entries before the cut");
-        }
-        let records = self.scan_region(&region, rh.slots, len, report)?;
-        report.regions_scanned += 1;
-        if len >= full_len {
-            // Next time, read the index instead of scanning.
-            let _ = self.write_index_records(&region, &records);
-        }
-        Ok(Some((region, records)))
-    }
-
-    /// Reads every entry header of a region and verifies each payload.
-    fn scan_region(
-        &self,
-        region: &Region,
-        slots: u32,
-        len: u64,
-        report: &mut RecoveryReport,
-    ) -> Result<Vec<IndexRecord>, StoreError> {
-        // One read per entry: header and payload together.
-        let mut entry = AlignedBuf::new(self.entry_stride as usize);
-        let mut records = Vec::new();
-        let mut other_version = false;
-        for slot in 0..slots {
-            let off = HEADER_BYTES as u64 + u64::from(slot) * self.entry_stride;
-            if off + self.entry_stride > len {
-                if off < len {
-                    report.torn += 1;
-                }
-                break;
-            }
-            region
-                .file
-                .read_exact_at(&mut entry, off)
-                .map_err(|e| StoreError::io("read", &region.path, e))?;
-            let h = match EntryHeader::decode(&entry[..HEADER_BYTES]) {
-                Ok(h) => h,
-                Err(FormatError::Empty) => continue,
-                Err(FormatError::Version(_)) => {
-                    other_version = true;
-                    report.skipped_other_version += 1;
-                    continue;
-                }
-                Err(_) => {
-                    report.corrupt += 1;
-                    continue;
-                }
-            };
-            let payload = &entry[HEADER_BYTES..];
-            if h.payload_len != self.geometry.bytes_per_block() as u64
-                || kvtier_core::xxh3_64(&payload[..h.payload_len as usize]) != h.payload_xxh3
-            {
-                report.corrupt += 1;
-                continue;
-            }
-            records.push(IndexRecord {
-                slot,
-                ns: h.ns,
-                key: h.key,
-                seq: h.seq,
-                payload_xxh3: h.payload_xxh3,
-            });
-        }
-        if other_version {
-            tracing::warn!(path = %region.path.display(), "skipped disk entries of another format version");
-        }
-        Ok(records)
-    }
 }
 
 impl Drop for Inner {
@@ -1106,136 +647,6 @@ impl Drop for Inner {
             tracing::warn!(error = %e, "could not write the active region's index at shutdown");
         }
     }
-}
-
-fn prepare_dir(dir: &Path, create: bool) -> Result<(), StoreError> {
-    let err = |reason: String| StoreError::DiskDir {
-        path: dir.to_owned(),
-        reason,
-    };
-    match std::fs::metadata(dir) {
-        Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(err("not a directory".into())),
-        Err(e) if e.kind() == io::ErrorKind::NotFound && create => {
-            std::fs::create_dir_all(dir).map_err(|e| err(format!("cannot create it: {e}")))
-        }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            Err(err("does not exist (create it, or set create_dir)".into()))
-        }
-        Err(e) => Err(err(e.to_string())),
-    }
-}
-
-/// Takes an exclusive `flock` on `dir/LOCK` (released when the process exits, even by SIGKILL)
-/// and writes our pid into it.
-fn lock_dir(dir: &Path) -> Result<File, StoreError> {
-    let path = dir.join(LOCK_FILE);
-    let mut file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .map_err(|e| StoreError::DiskDir {
-            path: dir.to_owned(),
-            reason: format!("cannot open {}: {e}", path.display()),
-        })?;
-    // SAFETY: flock on a descriptor we own.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        let holder = std::fs::read_to_string(&path)
-            .ok()
-            .map(|s| s.trim().to_owned())
-            .filter(|s| !s.is_empty())
-            .map_or_else(|| "unknown pid".into(), |pid| format!("pid {pid}"));
-        return Err(StoreError::DirLocked {
-            path: dir.to_owned(),
-            holder,
-        });
-    }
-    let pid = std::process::id().to_string();
-    file.set_len(0)
-        .and_then(|()| file.write_all_at(pid.as_bytes(), 0))
-        .map_err(|e| StoreError::DiskDir {
-            path: dir.to_owned(),
-            reason: format!("cannot write {}: {e}", path.display()),
-        })?;
-    let _ = file.flush();
-    Ok(file)
-}
-
-/// Decides O_DIRECT: tries an aligned write to a probe file opened with it.
-fn probe_direct_io(dir: &Path, mode: DirectIo) -> Result<bool, StoreError> {
-    if mode == DirectIo::Off {
-        return Ok(false);
-    }
-    let probe = dir.join(".direct-io-probe");
-    let result = (|| -> io::Result<()> {
-        let f = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(&probe)?;
-        f.write_all_at(&AlignedBuf::new(IO_ALIGN), 0)
-    })();
-    let _ = std::fs::remove_file(&probe);
-    match (result, mode) {
-        (Ok(()), _) => Ok(true),
-        (Err(e), DirectIo::On) => Err(StoreError::DiskDir {
-            path: dir.to_owned(),
-            reason: format!("O_DIRECT requested but refused by the file system: {e}"),
-        }),
-        (Err(e), _) if e.raw_os_error() == Some(libc::EINVAL) => {
-            tracing::warn!(dir = %dir.display(), "O_DIRECT not supported here; using buffered I/O");
-            Ok(false)
-        }
-        (Err(e), _) => Err(StoreError::DiskDir {
-            path: dir.to_owned(),
-            reason: format!("cannot write in it: {e}"),
-        }),
-    }
-}
-
-fn read_cleared(dir: &Path) -> HashMap<NamespaceFingerprint, u64> {
-    let Ok(bytes) = std::fs::read(dir.join(CLEARED_FILE)) else {
-        return HashMap::new();
-    };
-    if bytes.len() < 8 || (bytes.len() - 8) % 24 != 0 {
-        tracing::warn!(dir = %dir.display(), "ignoring a damaged CLEARED file");
-        return HashMap::new();
-    }
-    let (body, sum) = bytes.split_at(bytes.len() - 8);
-    if kvtier_core::xxh3_64(body).to_le_bytes() != sum {
-        tracing::warn!(dir = %dir.display(), "ignoring a CLEARED file with a bad checksum");
-        return HashMap::new();
-    }
-    body.chunks_exact(24)
-        .map(|c| {
-            (
-                NamespaceFingerprint(u128::from_le_bytes(c[..16].try_into().expect("16 bytes"))),
-                u64::from_le_bytes(c[16..].try_into().expect("8 bytes")),
-            )
-        })
-        .collect()
-}
-
-fn write_cleared(dir: &Path, cleared: &HashMap<NamespaceFingerprint, u64>) -> Result<(), StoreError> {
-    let mut body = Vec::with_capacity(cleared.len() * 24 + 8);
-    for (ns, seq) in cleared {
-        body.extend_from_slice(&ns.0.to_le_bytes());
-        body.extend_from_slice(&seq.to_le_bytes());
-    }
-    let sum = kvtier_core::xxh3_64(&body);
-    body.extend_from_slice(&sum.to_le_bytes());
-    let path = dir.join(CLEARED_FILE);
-    let tmp = dir.join("CLEARED.tmp");
-    let write = || -> io::Result<()> {
-        let mut f = File::create(&tmp)?;
-        f.write_all(&body)?;
-        f.sync_data()?;
-        std::fs::rename(&tmp, &path)
-    };
-    write().map_err(|e| StoreError::io("write", &path, e))
 }
 
 #[cfg(test)]
