@@ -6,6 +6,35 @@ pub fn xxh3_64(bytes: &[u8]) -> u64 {
     twox_hash::XxHash3_64::oneshot(bytes)
 }
 
+/// XXH3-64 of bytes fed in pieces: [`Xxh3Stream::digest`] equals [`xxh3_64`] of their
+/// concatenation (for bytes that cannot be borrowed as one slice, such as shared memory read
+/// through copies).
+#[derive(Default)]
+pub struct Xxh3Stream(twox_hash::XxHash3_64);
+
+impl Xxh3Stream {
+    /// An empty stream.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Feeds the next piece.
+    pub fn update(&mut self, bytes: &[u8]) {
+        std::hash::Hasher::write(&mut self.0, bytes);
+    }
+
+    /// The checksum of everything fed so far.
+    pub fn digest(&self) -> u64 {
+        std::hash::Hasher::finish(&self.0)
+    }
+}
+
+impl std::fmt::Debug for Xxh3Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Xxh3Stream")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -20,6 +49,15 @@ mod tests {
                 super::xxh3_64(&data[..len]),
                 xxhash_rust::xxh3::xxh3_64(&data[..len]),
                 "len {len}"
+            );
+            let mut stream = super::Xxh3Stream::new();
+            for piece in data[..len].chunks(4096 + 7) {
+                stream.update(piece);
+            }
+            assert_eq!(
+                stream.digest(),
+                super::xxh3_64(&data[..len]),
+                "streamed, len {len}"
             );
         }
     }

@@ -19,7 +19,7 @@ mod tier;
 
 pub use block_key::{BlockHasher, BlockKey};
 pub use byte_size::ByteSize;
-pub use checksum::xxh3_64;
+pub use checksum::{Xxh3Stream, xxh3_64};
 pub use error::{CoreError, ErrorKind};
 pub use geometry::{Dtype, KvGeometry};
 pub use namespace::{Namespace, NamespaceFingerprint};

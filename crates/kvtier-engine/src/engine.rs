@@ -6,7 +6,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::command::Command;
-use crate::kv_pages::KvPages;
+use crate::kv_slots::KvSlots;
 use crate::model::Model;
 use crate::scheduler::Scheduler;
 use crate::sidecar_link::{SidecarConfig, SidecarLink};
@@ -71,7 +71,7 @@ impl Engine {
             }
         };
         let pool = Arc::new(CpuDevicePool::create(Some(&path), geometry, config.device_slots)?);
-        let kv = KvPages::new(Arc::clone(&pool))?;
+        let kv = KvSlots::new(Arc::clone(&pool))?;
         let link = match (&config.sidecar, config.kv_reuse.uses_kvtier()) {
             (Some(target), true) => Some(SidecarLink::new(
                 SidecarConfig {

@@ -10,7 +10,7 @@
 use candle_core::{Device, Tensor};
 
 use crate::EngineError;
-use crate::kv_pages::KvPages;
+use crate::kv_slots::KvSlots;
 use crate::model_config::{Mlp, ModelConfig};
 use crate::weights::{FfnWeights, LayerWeights, MlpWeights, Weights};
 
@@ -98,7 +98,7 @@ impl Model {
     /// `max_positions`; tensor and pool errors.
     pub fn forward(
         &self,
-        kv: &KvPages,
+        kv: &KvSlots,
         batch: &[SeqChunk<'_>],
         before_layer: &mut dyn FnMut(usize) -> Result<(), EngineError>,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
@@ -163,7 +163,7 @@ impl Model {
         &self,
         l: usize,
         w: &LayerWeights,
-        kv: &KvPages,
+        kv: &KvSlots,
         batch: &[SeqChunk<'_>],
         x: &Tensor,
         cos: &Tensor,
@@ -484,15 +484,15 @@ mod tests {
         matvec(&mat(&w.lm_head), &last)
     }
 
-    fn setup(preset: &str, dtype: Dtype) -> (Model, KvPages, Weights) {
+    fn setup(preset: &str, dtype: Dtype) -> (Model, KvSlots, Weights) {
         let c = ModelConfig::preset(preset).unwrap();
         let w = Weights::random(&c, 11).unwrap();
         let g = KvGeometry::new(c.layers as u32, c.kv_heads as u32, c.head_dim as u32, dtype, 4).unwrap();
-        let kv = KvPages::new(Arc::new(CpuDevicePool::create(None, g, 16).unwrap())).unwrap();
+        let kv = KvSlots::new(Arc::new(CpuDevicePool::create(None, g, 16).unwrap())).unwrap();
         (Model::new(c, w.clone()).unwrap(), kv, w)
     }
 
-    fn run(m: &Model, kv: &KvPages, chunks: &[SeqChunk<'_>]) -> Vec<Vec<f32>> {
+    fn run(m: &Model, kv: &KvSlots, chunks: &[SeqChunk<'_>]) -> Vec<Vec<f32>> {
         m.forward(kv, chunks, &mut |_| Ok(())).unwrap()
     }
 

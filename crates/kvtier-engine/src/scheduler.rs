@@ -12,7 +12,7 @@ use kvtier_transfer::CpuDevicePool;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::command::Command;
-use crate::kv_pages::KvPages;
+use crate::kv_slots::KvSlots;
 use crate::model::{Model, SeqChunk};
 use crate::sampling::Sampler;
 use crate::sidecar_link::{LoadEnd, LoadProgress, SidecarLink, StoreLog, Window};
@@ -84,7 +84,7 @@ impl Seq {
 /// and the sequences waiting and running.
 pub(crate) struct Scheduler {
     model: Model,
-    kv: KvPages,
+    kv: KvSlots,
     cache: SlotCache,
     link: Option<SidecarLink>,
     geometry: KvGeometry,
@@ -101,7 +101,7 @@ impl Scheduler {
     /// reach the sidecar now and says so when it cannot.
     pub(crate) fn new(
         model: Model,
-        kv: KvPages,
+        kv: KvSlots,
         link: Option<SidecarLink>,
         geometry: KvGeometry,
         config: EngineConfig,

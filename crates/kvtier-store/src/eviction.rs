@@ -16,8 +16,7 @@ use std::str::FromStr;
 use kvtier_core::BlockKey;
 use serde::{Deserialize, Serialize};
 
-/// Index of a page in the host arena.
-pub type PageId = u32;
+use crate::host_arena::PageId;
 
 const NIL: u32 = u32::MAX;
 

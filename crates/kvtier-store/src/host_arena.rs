@@ -5,7 +5,6 @@ use std::path::Path;
 use kvtier_core::KvGeometry;
 
 use crate::StoreError;
-use crate::eviction::PageId;
 use crate::shm_region::{Prefault, ShmRegion};
 
 /// Pages are aligned to 4 KiB so that a page can be read from or written to disk with O_DIRECT.
@@ -24,6 +23,9 @@ pub enum ArenaBacking<'a> {
     /// A new file at this path (e.g. under `/dev/shm`), removed when the arena drops.
     File(&'a Path),
 }
+
+/// Index of a page in the host arena (one block per page).
+pub type PageId = u32;
 
 /// A memory region of `num_pages` pages; page `p` holds one block of every layer,
 /// layer-major (`[layer][K|V][token][head][dim]`), so each (block, layer) is one contiguous

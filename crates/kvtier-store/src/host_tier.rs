@@ -21,8 +21,8 @@ use kvtier_core::{BlockKey, ByteSize, KvGeometry, NamespaceFingerprint};
 use serde::{Deserialize, Serialize};
 
 use crate::StoreError;
-use crate::eviction::{EvictionKind, EvictionPolicy, PageId};
-use crate::host_arena::{ArenaBacking, HostArena};
+use crate::eviction::{EvictionKind, EvictionPolicy};
+use crate::host_arena::{ArenaBacking, HostArena, PageId};
 use crate::key_hasher::KeyHasherBuilder;
 use crate::shm_region::{Prefault, ShmRegion};
 

@@ -29,8 +29,8 @@ mod tiered_store;
 
 pub use disk_tier::{Appended, DirectIo, DiskTier, DiskTierConfig, DiskTierStats, RecoveryReport};
 pub use error::StoreError;
-pub use eviction::{EvictionKind, EvictionPolicy, Lru, PageId, S3Fifo};
-pub use host_arena::{ArenaBacking, HostArena, PAGE_ALIGN};
+pub use eviction::{EvictionKind, EvictionPolicy, Lru, S3Fifo};
+pub use host_arena::{ArenaBacking, HostArena, PAGE_ALIGN, PageId};
 pub use host_tier::{
     HostBacking, HostPage, HostTier, HostTierConfig, HostTierStats, PageWriter, PinnedPage, Removal,
     Reservation,

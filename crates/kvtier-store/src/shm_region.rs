@@ -335,12 +335,23 @@ impl ShmRegion {
         self.check_fault()
     }
 
-    /// Runs `f` over a read-only view of `len` bytes at `offset` (hashing, verification). The
-    /// bytes must not be written concurrently for the view to be meaningful.
+    /// Runs `f` over a read-only view of `len` bytes at `offset`, without a copy (the engine
+    /// converts its KV straight out of its pool). A fault under the view (a shrunk backing
+    /// file) is caught: `f` then sees zeros and the call returns [`StoreError::RegionUnusable`].
     ///
     /// # Errors
-    /// [`StoreError::OutOfBounds`] if the range does not fit.
-    pub fn with_bytes<R>(
+    /// [`StoreError::OutOfBounds`] if the range does not fit; [`StoreError::RegionUnusable`].
+    ///
+    /// # Safety
+    /// For as long as `f` runs, nothing may write the bytes `offset .. offset + len`: not this
+    /// process through this or another mapping of the same file, and not another process that
+    /// maps it. A shared slice asserts the bytes do not change while it lives; a write under
+    /// it is undefined behaviour, not just a torn value. (The copying accessors, [`read`] and
+    /// [`xxh3_64`], have no such requirement: a concurrent write only gives them a torn value.)
+    ///
+    /// [`read`]: ShmRegion::read
+    /// [`xxh3_64`]: ShmRegion::xxh3_64
+    pub unsafe fn with_bytes<R>(
         &self,
         offset: usize,
         len: usize,
@@ -348,20 +359,33 @@ impl ShmRegion {
     ) -> Result<R, StoreError> {
         self.check_range(offset, len)?;
         // SAFETY: the range is inside the mapping (checked above) and the mapping outlives the
-        // borrow, which does not escape `f`. Concurrent writers are excluded by the caller's
-        // protocol (documented above).
+        // borrow, which does not escape `f`; no writer touches it while `f` runs (the caller's
+        // obligation, see # Safety).
         let view = unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(offset), len) };
         let r = f(view);
         self.check_fault()?;
         Ok(r)
     }
 
-    /// `xxh3_64` of `len` bytes at `offset`, for bit-exact verification without a copy.
+    /// `xxh3_64` of `len` bytes at `offset`, for bit-exact verification. Reads the bytes
+    /// through a 64 KiB copy at a time, so a concurrent writer gives a wrong checksum (which
+    /// fails the verification), never undefined behaviour.
     ///
     /// # Errors
-    /// [`StoreError::OutOfBounds`] if the range does not fit.
+    /// [`StoreError::OutOfBounds`] if the range does not fit; [`StoreError::RegionUnusable`].
     pub fn xxh3_64(&self, offset: usize, len: usize) -> Result<u64, StoreError> {
-        self.with_bytes(offset, len, kvtier_core::xxh3_64)
+        const PIECE: usize = 64 << 10;
+        self.check_range(offset, len)?;
+        let mut stream = kvtier_core::Xxh3Stream::new();
+        let mut buf = vec![0u8; PIECE.min(len)];
+        let mut done = 0;
+        while done < len {
+            let n = PIECE.min(len - done);
+            self.read(offset + done, &mut buf[..n])?;
+            stream.update(&buf[..n]);
+            done += n;
+        }
+        Ok(stream.digest())
     }
 
     /// Writes `head` then `len` bytes of this region at `offset` into `file` at `file_offset`,

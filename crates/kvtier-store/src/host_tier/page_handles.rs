@@ -10,7 +10,7 @@ use kvtier_core::BlockKey;
 
 use super::{FREE, Inner, READY};
 use crate::StoreError;
-use crate::eviction::PageId;
+use crate::host_arena::PageId;
 use crate::shm_region::ShmRegion;
 
 /// One page of the host tier and the block it is for: where its bytes are. Reached through a

@@ -11,16 +11,16 @@ use kvtier_transfer::CpuDevicePool;
 
 use crate::EngineError;
 
-/// The engine's view of its device pool.
+/// The engine's view of its device pool: the K and V of tokens in slots, by block table.
 #[derive(Debug, Clone)]
-pub struct KvPages {
+pub struct KvSlots {
     pool: Arc<CpuDevicePool>,
     geometry: KvGeometry,
     /// Elements per token per layer in K (and in V): kv_heads × head_dim.
     token_elems: usize,
 }
 
-impl KvPages {
+impl KvSlots {
     /// Wraps `pool`.
     ///
     /// # Errors
@@ -115,12 +115,19 @@ impl KvPages {
             let (off, _) = self.pool.slot_layer_range(slot, layer)?;
             let dst = b * bt * te..(b * bt + run) * te;
             for (out, section) in [(&mut k[dst.clone()], 0), (&mut v[dst], half)] {
-                self.pool
-                    .region()
-                    .with_bytes(off + section, run * te * es, |bytes| {
-                        decode(self.geometry.dtype(), bytes, out)
-                    })
-                    .map_err(kvtier_transfer::TransferError::from)?;
+                // SAFETY: the scheduler reads only its own sequences' slots, and only tokens
+                // whose KV is complete: written by its own forward pass (on this thread), or
+                // by a kvtier load whose LayerReady for this layer has arrived (a load's copies
+                // of a layer are over by then, and slots a failed load may still write are
+                // given up, never read). The sidecar's stores only read slots.
+                unsafe {
+                    self.pool
+                        .region()
+                        .with_bytes(off + section, run * te * es, |bytes| {
+                            decode(self.geometry.dtype(), bytes, out)
+                        })
+                }
+                .map_err(kvtier_transfer::TransferError::from)?;
             }
         }
         Ok((k, v))
@@ -165,7 +172,7 @@ mod tests {
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             let g = KvGeometry::new(2, 2, 4, dtype, 4).unwrap();
             let pool = Arc::new(CpuDevicePool::create(None, g, 8).unwrap());
-            let kv = KvPages::new(pool).unwrap();
+            let kv = KvSlots::new(pool).unwrap();
             let blocks = [5, 2, 7];
             let te = 8;
             // 10 tokens written in three uneven pieces, on layer 1.
@@ -188,6 +195,6 @@ mod tests {
         }
         let g = KvGeometry::new(1, 1, 4, Dtype::Fp8E4m3, 4).unwrap();
         let pool = Arc::new(CpuDevicePool::create(None, g, 1).unwrap());
-        assert!(KvPages::new(pool).unwrap_err().to_string().contains("fp8"));
+        assert!(KvSlots::new(pool).unwrap_err().to_string().contains("fp8"));
     }
 }
