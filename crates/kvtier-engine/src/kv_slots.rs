@@ -118,8 +118,10 @@ impl KvSlots {
                 // SAFETY: the scheduler reads only its own sequences' slots, and only tokens
                 // whose KV is complete: written by its own forward pass (on this thread), or
                 // by a kvtier load whose LayerReady for this layer has arrived (a load's copies
-                // of a layer are over by then, and slots a failed load may still write are
-                // given up, never read). The sidecar's stores only read slots.
+                // of a layer are over by then). A chunk whose load failed stops reading at that
+                // layer (the scheduler sets `skip` in `Model::forward`), and slots a failed load
+                // may still write are given up until it ends, never read. The sidecar's stores
+                // only read slots.
                 unsafe {
                     self.pool
                         .region()

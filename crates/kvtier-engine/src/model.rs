@@ -44,6 +44,10 @@ pub struct Model {
     score_floats: usize,
 }
 
+/// What [`Model::forward`] calls before each layer: `(layer, skip)`, where setting `skip[c]`
+/// stops chunk `c` reading KV.
+pub type BeforeLayer<'a> = dyn FnMut(usize, &mut [bool]) -> Result<(), EngineError> + 'a;
+
 impl Model {
     /// A model from its configuration and weights; precomputes the rotary tables.
     ///
@@ -87,8 +91,10 @@ impl Model {
     /// Runs `batch` through the model, writing each token's K and V into the pool, and
     /// returns the logits (`vocab` floats) of each chunk that asked for them, in batch order.
     ///
-    /// `before_layer(l)` is called before layer `l` reads any KV: a load that streams KV in
-    /// layer by layer waits there, so layer `l` computes while later layers still arrive.
+    /// `before_layer(l, skip)` is called before layer `l` reads any KV: a load that streams KV
+    /// in layer by layer waits there, so layer `l` computes while later layers still arrive.
+    /// Setting `skip[c]` stops chunk `c` reading its context's KV from then on (its load
+    /// failed, so its slots may still be written; the chunk's output is garbage, to be redone).
     ///
     /// Cost: the model's arithmetic for every token; per sequence and layer, the context's KV
     /// is read back and converted to f32.
@@ -100,7 +106,7 @@ impl Model {
         &self,
         kv: &KvSlots,
         batch: &[SeqChunk<'_>],
-        before_layer: &mut dyn FnMut(usize) -> Result<(), EngineError>,
+        before_layer: &mut BeforeLayer<'_>,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
         let c = &self.config;
         let dev = compute_device();
@@ -135,9 +141,10 @@ impl Model {
         let cos = self.cos.index_select(&pos, 0)?;
         let sin = self.sin.index_select(&pos, 0)?;
         let mut x = self.weights.embed.index_select(&ids, 0)?;
+        let mut skip = vec![false; batch.len()];
         for (l, layer) in self.weights.layers.iter().enumerate() {
-            before_layer(l)?;
-            x = self.layer(l, layer, kv, batch, &x, &cos, &sin)?;
+            before_layer(l, &mut skip)?;
+            x = self.layer(l, layer, kv, batch, &skip, &x, &cos, &sin)?;
         }
         // Logits of the last token of each chunk that wants them.
         let mut rows = Vec::new();
@@ -165,6 +172,7 @@ impl Model {
         w: &LayerWeights,
         kv: &KvSlots,
         batch: &[SeqChunk<'_>],
+        skip: &[bool],
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
@@ -194,7 +202,7 @@ impl Model {
         let scale = 1.0 / (hd as f64).sqrt();
         let mut outs = Vec::with_capacity(batch.len());
         let mut row = 0;
-        for chunk in batch {
+        for (chunk, &skip) in batch.iter().zip(skip) {
             let n = chunk.tokens.len();
             let rows = row * te..(row + n) * te;
             kv.write(
@@ -205,7 +213,11 @@ impl Model {
                 &v_rows[rows],
             )?;
             let ctx = chunk.start + n;
-            let (kc, vc) = kv.read(l as u32, chunk.blocks, ctx)?;
+            let (kc, vc) = if skip {
+                (vec![0f32; ctx * te], vec![0f32; ctx * te])
+            } else {
+                kv.read(l as u32, chunk.blocks, ctx)?
+            };
             let dev = compute_device();
             // [kvh, ctx, hd]
             let kc = Tensor::from_vec(kc, (ctx, kvh, hd), &dev)?
@@ -493,7 +505,7 @@ mod tests {
     }
 
     fn run(m: &Model, kv: &KvSlots, chunks: &[SeqChunk<'_>]) -> Vec<Vec<f32>> {
-        m.forward(kv, chunks, &mut |_| Ok(())).unwrap()
+        m.forward(kv, chunks, &mut |_, _| Ok(())).unwrap()
     }
 
     #[test]
@@ -622,7 +634,7 @@ mod tests {
                     blocks: &blocks,
                     logits: true,
                 }],
-                &mut |_| Ok(()),
+                &mut |_, _| Ok(()),
             )
             .unwrap_err()
             .to_string();
@@ -636,7 +648,7 @@ mod tests {
                     blocks: &blocks,
                     logits: true,
                 }],
-                &mut |_| Ok(()),
+                &mut |_, _| Ok(()),
             )
             .unwrap_err()
             .to_string();

@@ -413,11 +413,16 @@ impl Scheduler {
                 })
                 .collect();
             let mut failed: Vec<usize> = Vec::new();
-            let r = self.model.forward(&self.kv, &chunks, &mut |layer| {
+            let r = self.model.forward(&self.kv, &chunks, &mut |layer, skip| {
                 for (i, progress, deadline) in &loads {
                     if !failed.contains(i) && !progress.wait_layer(layer as u32, *deadline) {
                         failed.push(*i);
                     }
+                }
+                // A chunk whose load failed reads no KV from here on: the load may still be
+                // writing its slots (the chunk is redone once the load has ended).
+                for (c, &(i, _)) in plan.iter().enumerate() {
+                    skip[c] = failed.contains(&i);
                 }
                 Ok(())
             });
