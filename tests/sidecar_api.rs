@@ -297,6 +297,20 @@ async fn every_bad_request_gets_its_status_and_changes_nothing() {
             .code(),
         Code::FailedPrecondition
     );
+    // A directory for shm_path, and tp_size 0: the client's mistakes, named.
+    let dir = std::env::temp_dir().display().to_string();
+    let err = rpc.register_pool(reg(geometry(), &dir, 8)).await.unwrap_err();
+    assert!(
+        err.code() == Code::InvalidArgument && err.message().contains("not a regular file"),
+        "{err:?}"
+    );
+    let mut no_world = reg(geometry(), &path, 8);
+    no_world.tp_size = 0;
+    let err = rpc.register_pool(no_world).await.unwrap_err();
+    assert!(
+        err.code() == Code::InvalidArgument && err.message().contains("tp_size"),
+        "{err:?}"
+    );
     let mut cuda = reg(geometry(), &path, 8);
     cuda.location = Some(proto::register_pool_request::Location::CudaIpcHandle(
         vec![0u8; 64].into(),
@@ -503,6 +517,30 @@ async fn health_reflection_and_malformed_messages() {
     let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
     assert!(names.contains(&"kvtier.v1.KvTier".to_owned()), "{names:?}");
     assert!(names.contains(&"grpc.health.v1.Health".to_owned()), "{names:?}");
+    // And in v1alpha, which grpcio-reflection's client and older grpcurl speak.
+    {
+        use tonic_reflection::pb::v1alpha::{
+            ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+            server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+        };
+        let mut reflection = ServerReflectionClient::new(channel.clone());
+        let req = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut stream = reflection
+            .server_reflection_info(tokio_stream::iter([req]))
+            .await
+            .unwrap()
+            .into_inner();
+        let Some(MessageResponse::ListServicesResponse(list)) =
+            stream.message().await.unwrap().unwrap().message_response
+        else {
+            panic!("no v1alpha service list");
+        };
+        let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+        assert!(names.contains(&"kvtier.v1.KvTier".to_owned()), "{names:?}");
+    }
 
     // Bytes that are not a MatchRequest: an error status, and the server keeps serving.
     let mut grpc = tonic::client::Grpc::new(channel.clone());

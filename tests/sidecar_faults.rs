@@ -223,3 +223,46 @@ fn a_graceful_stop_right_after_a_store_burst_keeps_every_acknowledged_block() {
     });
     assert!(server.terminate().success());
 }
+
+/// `kvtier health` reaches a serving sidecar by every Unix form gRPC's naming document
+/// defines, and `kvtier serve` ignores `KVTIER_*` variables that name no setting.
+#[test]
+fn health_accepts_every_unix_target_form_and_unrelated_variables_are_ignored() {
+    let dir = tempfile::tempdir().unwrap();
+    let sidecar = ServeProcess::start(dir.path(), &[]);
+    let abs = sidecar.socket.display().to_string();
+    for target in [
+        format!("unix://{abs}"),
+        format!("unix:{abs}"),
+        abs.clone(),
+        "unix:kvtier.sock".to_owned(),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .args(["health", &target])
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("SERVING"),
+            "{target}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    drop(sidecar);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["serve", "--print-config"])
+        .env("KVTIER_REPO", "x")
+        .env("KVTIER_BUILD_ID", "42")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["serve", "--print-config"])
+        .env("KVTIER_HOST__CAPACTY", "1GiB")
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("capacty"),
+        "a misspelt key of a known section is still an error"
+    );
+}

@@ -46,8 +46,44 @@ impl Interceptor for Auth {
 /// The generated gRPC stub with the bearer-token interceptor.
 pub type Stub = KvTierClient<InterceptedService<Channel, Auth>>;
 
-/// Opens a channel to `target`: `unix:///path` (or a bare path) for the Unix socket,
-/// `http://host:port` or `https://host:port` for TCP.
+/// Where a target string points, in the forms gRPC's naming document defines.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Address {
+    /// A Unix socket path.
+    Unix(PathBuf),
+    /// An `http://` or `https://` URL.
+    Url(String),
+}
+
+/// Reads `target`: `unix:path` or `unix:/abs/path` (one slash), `unix:///abs/path`, a bare
+/// path, `http(s)://host:port`, and `dns:[//authority/]host:port`, `ipv4:addr:port`,
+/// `ipv6:[addr]:port` (plaintext TCP).
+fn address(target: &str) -> Address {
+    if target.starts_with("http://") || target.starts_with("https://") {
+        return Address::Url(target.to_owned());
+    }
+    if let Some(rest) = target.strip_prefix("dns:") {
+        // `dns://authority/host:port` names a DNS server first; the host follows its slash.
+        let host = rest
+            .strip_prefix("//")
+            .map_or(rest, |r| r.split_once('/').map_or(r, |(_, h)| h));
+        return Address::Url(format!("http://{host}"));
+    }
+    if let Some(addr) = target
+        .strip_prefix("ipv4:")
+        .or_else(|| target.strip_prefix("ipv6:"))
+    {
+        return Address::Url(format!("http://{addr}"));
+    }
+    if let Some(abs) = target.strip_prefix("unix://") {
+        return Address::Unix(PathBuf::from(abs));
+    }
+    Address::Unix(PathBuf::from(target.strip_prefix("unix:").unwrap_or(target)))
+}
+
+/// Opens a channel to `target`: a Unix socket (`unix:///path`, `unix:/path`, `unix:path` or a
+/// bare path) or TCP (`http://host:port`, `https://host:port`, `dns:host:port`,
+/// `ipv4:addr:port`, `ipv6:[addr]:port`).
 ///
 /// # Errors
 /// [`ClientError::Connect`].
@@ -59,14 +95,16 @@ pub async fn channel(target: &str) -> Result<Channel, ClientError> {
         target: target.to_owned(),
         source,
     };
-    if target.starts_with("http://") || target.starts_with("https://") {
-        return Endpoint::from_shared(target.to_owned())
-            .map_err(err)?
-            .connect()
-            .await
-            .map_err(err);
-    }
-    let path = PathBuf::from(target.strip_prefix("unix://").unwrap_or(target));
+    let path = match address(target) {
+        Address::Url(url) => {
+            return Endpoint::from_shared(url)
+                .map_err(err)?
+                .connect()
+                .await
+                .map_err(err);
+        }
+        Address::Unix(path) => path,
+    };
     // The URI is required by the API and ignored by the connector.
     Endpoint::from_static("http://kvtier.sock")
         .connect_timeout(Duration::from_secs(5))
@@ -76,4 +114,29 @@ pub async fn channel(target: &str) -> Result<Channel, ClientError> {
         }))
         .await
         .map_err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_grpc_naming_form_is_read() {
+        let unix = |p: &str| Address::Unix(PathBuf::from(p));
+        let url = |u: &str| Address::Url(u.to_owned());
+        for (target, want) in [
+            ("unix:///run/kvtier.sock", unix("/run/kvtier.sock")),
+            ("unix:/run/kvtier.sock", unix("/run/kvtier.sock")),
+            ("unix:kvtier.sock", unix("kvtier.sock")),
+            ("/run/kvtier.sock", unix("/run/kvtier.sock")),
+            ("http://127.0.0.1:50051", url("http://127.0.0.1:50051")),
+            ("https://kv.example:443", url("https://kv.example:443")),
+            ("dns:localhost:50051", url("http://localhost:50051")),
+            ("dns://8.8.8.8/localhost:50051", url("http://localhost:50051")),
+            ("ipv4:127.0.0.1:50051", url("http://127.0.0.1:50051")),
+            ("ipv6:[::1]:50051", url("http://[::1]:50051")),
+        ] {
+            assert_eq!(address(target), want, "{target}");
+        }
+    }
 }

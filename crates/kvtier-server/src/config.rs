@@ -3,8 +3,9 @@
 //!
 //! Environment variables name a key path with `__` between levels: `KVTIER_HOST__CAPACITY=8GiB`
 //! sets `host.capacity`, `KVTIER_SERVER__SOCKET=/run/kvtier.sock` sets `server.socket`,
-//! `KVTIER_WRITE_POLICY=all` sets `write_policy`. (`KVTIER_LOG` and `KVTIER_CONFIG` are not
-//! keys: the log filter and the config file.)
+//! `KVTIER_WRITE_POLICY=all` sets `write_policy`. Variables whose first part names no section
+//! or top-level key are not configuration and are ignored (`KVTIER_LOG` and `KVTIER_CONFIG`
+//! are the log filter and the config file; a script's own `KVTIER_REPO` does no harm).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -184,14 +185,20 @@ impl ServerConfig {
                 .map_err(|e| ServerError::Config(format!("{}: {e}", path.display())))?;
             merge(&mut table, from_file);
         }
+        // Only variables that name a setting are read: `KVTIER_<SECTION>__<KEY>` of a section
+        // kvtier has, or `KVTIER_<KEY>` of a top-level key. Any other `KVTIER_*` (a script's
+        // `KVTIER_REPO`, `KVTIER_LOG`, `KVTIER_CONFIG`) is not configuration and is left alone;
+        // a misspelt key inside a known section is still an error naming it.
+        let known: Vec<String> = table.keys().cloned().chain(["disk".to_owned()]).collect();
         for (name, value) in env {
             let Some(rest) = name.strip_prefix("KVTIER_") else {
                 continue;
             };
-            if matches!(rest, "LOG" | "CONFIG") || rest.is_empty() {
+            let key: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
+            if !known.contains(&key[0]) {
+                tracing::debug!(variable = %name, "not a kvtier setting; ignored");
                 continue;
             }
-            let key: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
             set(&mut table, &key, &value).map_err(|e| ServerError::Config(format!("{name}: {e}")))?;
         }
         for o in overrides {
@@ -336,6 +343,8 @@ layers = 2
             ("KVTIER_SERVER__SOCKET".to_owned(), "/from/env.sock".to_owned()),
             ("KVTIER_HOST__CAPACITY".to_owned(), "2GiB".to_owned()),
             ("KVTIER_LOG".to_owned(), "debug".to_owned()),
+            ("KVTIER_REPO".to_owned(), "x".to_owned()),
+            ("KVTIER_TEST_DIR".to_owned(), "/tmp".to_owned()),
             ("OTHER".to_owned(), "x".to_owned()),
         ];
         let c = ServerConfig::load(
@@ -371,6 +380,10 @@ layers = 2
         let e =
             ServerConfig::load(None, vec![("KVTIER_HOST__CAPACITY".into(), "lots".into())], &[]).unwrap_err();
         assert!(e.to_string().contains("lots"), "{e}");
+        // A misspelt key of a known section is still named.
+        let e =
+            ServerConfig::load(None, vec![("KVTIER_HOST__CAPACTY".into(), "1GiB".into())], &[]).unwrap_err();
+        assert!(e.to_string().contains("capacty"), "{e}");
         let e = ServerConfig::load(None, vec![], &["model.layers=0".into()]).unwrap_err();
         assert!(e.to_string().contains("layers=0"), "{e}");
         let e = ServerConfig::load(None, vec![], &["server.tcp=\"0.0.0.0:5000\"".into()]).unwrap_err();

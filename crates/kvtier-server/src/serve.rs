@@ -77,11 +77,19 @@ pub async fn serve(
     let service = KvTierService::new(Arc::clone(&state), stop_rx.clone());
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<KvTierServer<KvTierService>>().await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(kvtier_proto::proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    // Reflection in both versions clients speak: v1, and v1alpha (grpcio-reflection's client,
+    // older grpcurl).
+    let reflection_builder = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(kvtier_proto::proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection = reflection_builder()
         .build_v1()
         .map_err(|e| ServerError::Config(format!("reflection: {e}")))?;
+    let reflection_alpha = reflection_builder()
+        .build_v1alpha()
+        .map_err(|e| ServerError::Config(format!("reflection v1alpha: {e}")))?;
 
     // Expired soft pins are released in the background.
     let expiry_state = Arc::clone(&state);
@@ -104,6 +112,7 @@ pub async fn serve(
     let unix_server = Server::builder()
         .add_service(health_service.clone())
         .add_service(reflection.clone())
+        .add_service(reflection_alpha.clone())
         .add_service(KvTierServer::new(service.clone()))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::UnixListenerStream::new(unix),
@@ -142,6 +151,7 @@ pub async fn serve(
                 .layer(auth)
                 .add_service(health_service)
                 .add_service(reflection)
+                .add_service(reflection_alpha)
                 .add_service(KvTierServer::new(service))
                 .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
             Some((local, tokio::spawn(server)))

@@ -274,8 +274,20 @@ impl KvTier for KvTierService {
                 }
                 _ => return Err(ServerError::InvalidArgument("shm_path is required".into())),
             };
+            if r.tp_size == 0 {
+                return Err(ServerError::InvalidArgument(
+                    "tp_size 0: give the tensor-parallel world size (1 without tensor parallelism)".into(),
+                ));
+            }
             let num_slots = r.num_slots;
             let pool = blocking(move || {
+                // A missing file is NOT_FOUND (from the open below); a directory or device is
+                // the client's mistake, not the server's.
+                if std::fs::metadata(&path).is_ok_and(|m| !m.is_file()) {
+                    return Err(ServerError::InvalidArgument(format!(
+                        "shm_path {path}: not a regular file (give the pool file the engine created)"
+                    )));
+                }
                 Ok(CpuDevicePool::open(
                     std::path::Path::new(&path),
                     claimed,
@@ -284,7 +296,7 @@ impl KvTier for KvTierService {
             })
             .await?;
             let device: Arc<dyn DevicePool> = Arc::new(pool);
-            let tp_size = r.tp_size.max(1);
+            let tp_size = r.tp_size;
             let entry = self.state.sessions.register_pool(
                 r.session_id,
                 self.state.geometry,
