@@ -19,6 +19,7 @@ mod service;
 mod session;
 mod state;
 mod stats;
+mod uds_authority;
 
 pub use config::{ListenConfig, ModelConfig, ServerConfig};
 pub use error::{ServerError, code_of};

@@ -115,7 +115,10 @@ pub async fn serve(
         .add_service(reflection_alpha.clone())
         .add_service(KvTierServer::new(service.clone()))
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::UnixListenerStream::new(unix),
+            // Clients that send their socket path as `:authority` are served too.
+            tokio_stream::StreamExt::map(tokio_stream::wrappers::UnixListenerStream::new(unix), |c| {
+                c.map(crate::uds_authority::AuthorityFix::new)
+            }),
             stopped(stop_rx.clone()),
         );
     let unix_task = tokio::spawn(unix_server);
