@@ -32,8 +32,11 @@ pub struct RecoveryReport {
     pub torn: u64,
     /// Entries or regions of another format version, skipped.
     pub skipped_other_version: u64,
-    /// Regions whose header was unreadable, skipped.
+    /// Regions whose header was unreadable and that held no entry that verifies, skipped.
     pub unreadable_regions: usize,
+    /// Regions whose header was damaged but whose entries were scanned with this tier's
+    /// geometry: every entry that verifies is recovered, and the header is rewritten.
+    pub regions_salvaged: usize,
     /// Wall time of the recovery.
     #[serde(serialize_with = "ser_secs")]
     pub elapsed: Duration,
@@ -47,6 +50,7 @@ impl RecoveryReport {
         self.torn += o.torn;
         self.skipped_other_version += o.skipped_other_version;
         self.unreadable_regions += o.unreadable_regions;
+        self.regions_salvaged += o.regions_salvaged;
     }
 }
 
@@ -171,16 +175,12 @@ impl Inner {
         };
         let rh = match decoded {
             Ok(h) => h,
-            Err(FormatError::Version(v)) => {
+            Err(FormatError::Version(v)) if !is_damaged_version(&header) => {
                 tracing::warn!(path = %path.display(), version = v, "skipping disk region of another format version");
                 report.skipped_other_version += 1;
                 return Ok(None);
             }
-            Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "skipping unreadable disk region");
-                report.unreadable_regions += 1;
-                return Ok(None);
-            }
+            Err(e) => return self.salvage_region(id, path, file, len, &e, report),
         };
         if rh.geometry != self.geometry {
             return Err(StoreError::DiskGeometryMismatch {
@@ -226,6 +226,66 @@ impl Inner {
         report.regions_scanned += 1;
         if len >= full_len {
             // Next time, read the index instead of scanning.
+            let _ = self.write_index_records(&region, &records);
+        }
+        Ok(Some((region, records)))
+    }
+
+    /// A region whose header does not decode (a flipped byte, a torn first write): its entries
+    /// carry their own checksums, so scan them as if the header said this tier's geometry and
+    /// keep every entry that verifies (an entry of another geometry fails its length or
+    /// checksum, and its key is of another namespace anyway). With at least one, the header is
+    /// rewritten so the next start reads it; with none the region is skipped as unreadable.
+    fn salvage_region(
+        &self,
+        id: u64,
+        path: std::path::PathBuf,
+        file: std::fs::File,
+        len: u64,
+        why: &FormatError,
+        report: &mut RecoveryReport,
+    ) -> Result<Option<(Region, Vec<IndexRecord>)>, StoreError> {
+        let slots =
+            (len.saturating_sub(HEADER_BYTES as u64) / self.entry_stride).min(u64::from(u32::MAX)) as u32;
+        let region = Region {
+            id,
+            path: path.clone(),
+            file,
+            slots,
+            records: Mutex::new(Vec::new()),
+            finished: AtomicU32::new(slots),
+        };
+        let mut local = RecoveryReport::default();
+        let records = self.scan_region(&region, slots, len, &mut local)?;
+        if records.is_empty() {
+            tracing::warn!(path = %path.display(), error = %why, "skipping unreadable disk region: no entry verifies");
+            report.unreadable_regions += 1;
+            return Ok(None);
+        }
+        // Entries that failed here were counted by the scan; the region itself is kept.
+        report.merge(&local);
+        report.regions_salvaged += 1;
+        tracing::warn!(
+            path = %path.display(),
+            error = %why,
+            entries = records.len(),
+            "disk region header damaged; recovered every entry that verifies"
+        );
+        let mut header = AlignedBuf::new(HEADER_BYTES);
+        RegionHeader {
+            geometry: self.geometry,
+            slots,
+            entry_stride: self.entry_stride,
+            region_id: id,
+        }
+        .encode(&mut header);
+        let repaired = region
+            .file
+            .write_all_at(&header, 0)
+            .and_then(|()| region.file.sync_data());
+        if let Err(e) = repaired {
+            tracing::warn!(path = %path.display(), error = %e, "could not rewrite the damaged region header");
+        } else {
             let _ = self.write_index_records(&region, &records);
         }
         Ok(Some((region, records)))
@@ -288,4 +348,12 @@ impl Inner {
         }
         Ok(records)
     }
+}
+
+/// Whether a header that names another format version is ours with its version word damaged:
+/// with the version put back, its checksum matches.
+fn is_damaged_version(header: &[u8]) -> bool {
+    let mut fixed = header[..HEADER_BYTES].to_vec();
+    fixed[8..12].copy_from_slice(&crate::disk_format::FORMAT_VERSION.to_le_bytes());
+    RegionHeader::decode(&fixed).is_ok()
 }
