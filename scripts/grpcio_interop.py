@@ -1,8 +1,8 @@
 """A real grpcio client with default channels against a real `kvtier serve`.
 
 grpcio sends the percent-encoded socket path as `:authority` over a Unix socket; the sidecar
-must serve it anyway (issue 15). Checks Health and KvTier.Stats over `unix:/abs`,
-`unix:///abs` and TCP loopback. Usage: python3 scripts/grpcio_interop.py [path/to/kvtier]
+must serve it anyway (issue 15). Checks Health, KvTier.Stats and an undecodable request
+(INVALID_ARGUMENT) over `unix:/abs`, `unix:///abs` and TCP loopback. Usage: python3 scripts/grpcio_interop.py [path/to/kvtier]
 """
 
 from __future__ import annotations
@@ -37,6 +37,16 @@ def check(target: str) -> None:
             response_deserializer=lambda b: b,
         )(None, timeout=10)
         assert len(stats) > 0, "an empty Stats reply"
+        # Bytes that are not a MatchRequest: the client's mistake, INVALID_ARGUMENT.
+        try:
+            ch.unary_unary(
+                "/kvtier.v1.KvTier/Match",
+                request_serializer=lambda b: b,
+                response_deserializer=lambda b: b,
+            )(b"\x08\xff", timeout=10)
+            raise AssertionError("an undecodable request was answered")
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
     print(f"grpcio default channel OK: {target}")
 
 

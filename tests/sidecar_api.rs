@@ -551,10 +551,34 @@ async fn health_reflection_and_malformed_messages() {
         .unary::<_, Vec<u8>, _>(garbage, path, RawCodec)
         .await
         .unwrap_err();
+    // The client's mistake, named: INVALID_ARGUMENT, not tonic's stock INTERNAL.
     assert!(
-        matches!(err.code(), Code::Internal | Code::InvalidArgument),
+        err.code() == Code::InvalidArgument
+            && err.message().contains("kvtier.v1.MatchRequest does not decode"),
         "{err:?}"
     );
+    // The message limit is sized from server.max_batch_blocks: a whole batch by token ids at
+    // the varint's widest (5.1 MiB here, over gRPC's default 4 MiB) is read — NOT_FOUND for its
+    // unknown session proves it decoded — and one byte over the limit is OUT_OF_RANGE.
+    let g = common::geometry();
+    let blocks = kvtier_server::ServerConfig::default().server.max_batch_blocks;
+    let whole_batch = proto::MatchRequest {
+        session_id: 999,
+        pool_id: 1,
+        token_ids: vec![u32::MAX; blocks * g.block_tokens() as usize],
+        ..Default::default()
+    };
+    let mut rpc = proto::kv_tier_client::KvTierClient::new(channel.clone());
+    let err = rpc.r#match(whole_batch).await.unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+    let limit = kvtier_proto::codec::max_message_bytes(blocks, g.block_tokens());
+    let path = http::uri::PathAndQuery::from_static("/kvtier.v1.KvTier/Match");
+    grpc.ready().await.unwrap();
+    let err = grpc
+        .unary::<_, Vec<u8>, _>(tonic::Request::new(vec![0u8; limit + 1]), path, RawCodec)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::OutOfRange, "{err:?}");
     let r = health
         .check(tonic_health::pb::HealthCheckRequest {
             service: String::new(),

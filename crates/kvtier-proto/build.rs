@@ -17,6 +17,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(true)
         .build_server(true)
         .bytes(".")
+        // Undecodable requests are INVALID_ARGUMENT, not tonic's INTERNAL (src/codec.rs).
+        .codec_path("crate::codec::KvCodec")
         .compile_fds(fds)?;
     Ok(())
 }

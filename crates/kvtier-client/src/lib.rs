@@ -78,7 +78,8 @@ impl Client {
         token: Option<&str>,
     ) -> Result<Self, ClientError> {
         let auth = Auth::bearer(token)?;
-        let mut rpc = KvTierClient::with_interceptor(channel(target).await?, auth);
+        let mut rpc = KvTierClient::with_interceptor(channel(target).await?, auth)
+            .max_decoding_message_size(kvtier_proto::codec::CLIENT_MAX_REPLY_BYTES);
         let session = session::open(&mut rpc, client_name).await?;
         Ok(Self {
             rpc,

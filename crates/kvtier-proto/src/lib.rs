@@ -8,11 +8,13 @@
 //!   [`KvGeometry`](kvtier_core::KvGeometry) and [`Dtype`](kvtier_core::Dtype) (`From` /
 //!   `TryFrom`, [`geometry_from_proto`]), a load's event stream ([`LoadEvent`], [`LoadDone`])
 //!   and transfer timings ([`WireTiming`]).
+//! - [`codec`]: the stubs' codec — an undecodable request is INVALID_ARGUMENT, a reply INTERNAL.
 //! - [`default_socket_path`]: where `kvtier serve` listens and clients dial by default.
 //!
 //! Every decoding failure is a [`ProtoError`] naming the field and the value.
 #![warn(missing_docs)]
 
+pub mod codec;
 mod endpoint;
 mod error;
 mod geometry;

@@ -69,7 +69,8 @@ pub struct ListenConfig {
     pub auth_token: Option<String>,
     /// Prometheus exporter address (default `127.0.0.1:9400`); `"off"` to disable.
     pub metrics: Option<SocketAddr>,
-    /// Most blocks one request may name (default 65536).
+    /// Most blocks one request may name (default 65536). The gRPC message limit is sized from
+    /// it (`kvtier_proto::codec::max_message_bytes`), so such a batch fits in any form.
     pub max_batch_blocks: usize,
     /// Interval of session heartbeats, ms (default 5000).
     pub heartbeat_ms: u64,

@@ -113,7 +113,7 @@ pub async fn serve(
         .add_service(health_service.clone())
         .add_service(reflection.clone())
         .add_service(reflection_alpha.clone())
-        .add_service(KvTierServer::new(service.clone()))
+        .add_service(kvtier_server(service.clone(), &config))
         .serve_with_incoming_shutdown(
             // Clients that send their socket path as `:authority` are served too.
             tokio_stream::StreamExt::map(tokio_stream::wrappers::UnixListenerStream::new(unix), |c| {
@@ -155,7 +155,7 @@ pub async fn serve(
                 .add_service(health_service)
                 .add_service(reflection)
                 .add_service(reflection_alpha)
-                .add_service(KvTierServer::new(service))
+                .add_service(kvtier_server(service, &config))
                 .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
             Some((local, tokio::spawn(server)))
         }
@@ -232,6 +232,17 @@ pub async fn serve(
 }
 
 /// Binds the Unix socket with mode 0600, replacing a stale socket file but never a live one.
+/// The KvTier service with its message limit sized from the batch limit
+/// ([`kvtier_proto::codec::max_message_bytes`]): `server.max_batch_blocks` blocks fit in a
+/// request of any form, and larger messages are OUT_OF_RANGE before they are read.
+fn kvtier_server(service: KvTierService, config: &ServerConfig) -> KvTierServer<KvTierService> {
+    let limit =
+        kvtier_proto::codec::max_message_bytes(config.server.max_batch_blocks, config.model.block_tokens);
+    KvTierServer::new(service)
+        .max_decoding_message_size(limit)
+        .max_encoding_message_size(limit)
+}
+
 fn bind_unix(path: &Path) -> Result<tokio::net::UnixListener, ServerError> {
     let listen_err = |e| ServerError::Listen {
         what: path.display().to_string(),
