@@ -332,6 +332,27 @@ async fn every_bad_request_gets_its_status_and_changes_nothing() {
         Code::InvalidArgument
     );
 
+    // A durable store on a sidecar without a disk tier: FAILED_PRECONDITION, nothing stored.
+    let fresh = e
+        .handle
+        .keys("durable", &(0..16 * 2).collect::<Vec<u32>>())
+        .unwrap();
+    e.write(&fresh, 4);
+    let err = e
+        .client
+        .store_durable(&e.handle, "durable", None, &Engine::slots(&fresh, 4))
+        .await
+        .unwrap_err();
+    assert_eq!(code(err), Code::FailedPrecondition);
+    assert!(
+        e.client
+            .match_keys(&e.handle, "durable", &fresh)
+            .await
+            .unwrap()
+            .blocks
+            .is_empty()
+    );
+
     // Nothing above changed the tier or leaked a pin.
     let m = e.client.match_keys(&e.handle, "", &keys).await.unwrap();
     assert_eq!(m.blocks.len(), 4);

@@ -1,6 +1,7 @@
 //! Faults a real `kvtier serve` process must survive: a client that truncates, unlinks or
-//! replaces its pool file (the others keep loading bit-exact), and a graceful stop right after a
-//! burst of stores (every acknowledged block is on disk after the restart).
+//! replaces its pool file (the others keep loading bit-exact), a graceful stop right after a
+//! burst of stores (every acknowledged block is on disk after the restart), and a SIGKILL right
+//! after durable stores (every durable block is).
 
 mod common;
 
@@ -171,6 +172,22 @@ fn a_client_that_shrinks_or_replaces_its_pool_file_fails_alone() {
     assert!(server.terminate().success());
 }
 
+/// A fresh client loads `keys` (stored under `salt`) into slots `0..` of a new pool: the
+/// outcome, and the first (slot, layer) that does not hold its block's bytes.
+async fn load_back(
+    target: &str,
+    dir: &Path,
+    salt: &str,
+    keys: &[BlockKey],
+) -> (kvtier_client::LoadOutcome, Option<(u32, u32)>) {
+    let mut client = Client::connect(target, "after").await.unwrap();
+    let pool = CpuDevicePool::create(Some(&dir.join("pool-after")), geometry(), keys.len() as u32).unwrap();
+    let handle = client.register_cpu_pool(&pool, "fault-test", 0, 1).await.unwrap();
+    let run: Vec<(BlockKey, u32)> = keys.iter().enumerate().map(|(i, &k)| (k, i as u32)).collect();
+    let out = client.load_all(&handle, salt, &run, None).await.unwrap();
+    (out, first_wrong_kv(&pool, keys, 0))
+}
+
 #[test]
 fn a_graceful_stop_right_after_a_store_burst_keeps_every_acknowledged_block() {
     let dir = tempfile::tempdir().unwrap();
@@ -200,11 +217,7 @@ fn a_graceful_stop_right_after_a_store_burst_keeps_every_acknowledged_block() {
 
     let server = ServeProcess::start(dir.path(), &args);
     rt.block_on(async {
-        let mut client = Client::connect(&server.target, "after").await.unwrap();
-        let pool = CpuDevicePool::create(Some(&dir.path().join("pool-after")), geometry(), blocks).unwrap();
-        let handle = client.register_cpu_pool(&pool, "fault-test", 0, 1).await.unwrap();
-        let run: Vec<(BlockKey, u32)> = keys.iter().enumerate().map(|(i, &k)| (k, i as u32)).collect();
-        let out = client.load_all(&handle, "burst", &run, None).await.unwrap();
+        let (out, wrong) = load_back(&server.target, dir.path(), "burst", &keys).await;
         assert_eq!(
             out.done.loaded_blocks,
             blocks,
@@ -212,14 +225,60 @@ fn a_graceful_stop_right_after_a_store_burst_keeps_every_acknowledged_block() {
             out.done.missing.len()
         );
         assert_eq!(out.done.disk_blocks, blocks, "every block came back from disk");
-        let g = geometry();
-        let mut buf = vec![0u8; g.bytes_per_block_layer()];
-        for (i, &k) in keys.iter().enumerate() {
-            for layer in 0..g.layers() {
-                pool.read_slot_layer(i as u32, layer, &mut buf).unwrap();
-                assert!(buf == kv(k, layer, buf.len()), "block {i} layer {layer} differs");
-            }
+        assert_eq!(wrong, None, "bit-exact after the restart");
+    });
+    assert!(server.terminate().success());
+}
+
+/// Durable stores (`StoreRequest.durable`) under the default write policy, which would write a
+/// plain store's blocks to disk only after two hits: SIGKILL the moment the last reply
+/// arrives, restart, and every block those replies called durable loads bit-exact from disk.
+#[test]
+fn a_sigkill_right_after_durable_stores_loses_none_of_their_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("disk");
+    std::fs::create_dir(&disk).unwrap();
+    let args = [
+        "--host-capacity",
+        "64MiB",
+        "--metrics",
+        "off",
+        "--disk-dir",
+        disk.to_str().unwrap(),
+    ];
+    let blocks: u32 = 1024;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut server = ServeProcess::start(dir.path(), &args);
+    let keys = rt.block_on(async {
+        let mut client = Client::connect(&server.target, "durable").await.unwrap();
+        let pool = CpuDevicePool::create(Some(&dir.path().join("pool-durable")), geometry(), blocks).unwrap();
+        let handle = client.register_cpu_pool(&pool, "fault-test", 0, 1).await.unwrap();
+        let tokens: Vec<u32> = (0..blocks * 16).map(|t| t.wrapping_mul(2_654_435_761)).collect();
+        let keys = handle.keys("d", &tokens).unwrap();
+        write_kv(&pool, &keys, 0);
+        let run: Vec<(BlockKey, u32)> = keys.iter().enumerate().map(|(i, &k)| (k, i as u32)).collect();
+        let mut parent = None;
+        for chunk in run.chunks(64) {
+            let r = client.store_durable(&handle, "d", parent, chunk).await.unwrap();
+            assert_eq!(r.durable_blocks, chunk.len() as u32, "{r:?}");
+            assert!(r.not_durable.is_empty(), "{r:?}");
+            parent = chunk.last().map(|b| b.0);
         }
+        keys
+    });
+    server.child.kill().unwrap(); // SIGKILL, right after the last reply
+    server.child.wait().unwrap();
+    drop(server);
+
+    let server = ServeProcess::start(dir.path(), &args);
+    rt.block_on(async {
+        let (out, wrong) = load_back(&server.target, dir.path(), "d", &keys).await;
+        assert_eq!(
+            (out.done.loaded_blocks, out.done.disk_blocks),
+            (blocks, blocks),
+            "durable blocks lost to SIGKILL"
+        );
+        assert_eq!(wrong, None, "bit-exact after the restart");
     });
     assert!(server.terminate().success());
 }

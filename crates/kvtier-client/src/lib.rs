@@ -316,6 +316,39 @@ impl Client {
         parent: Option<BlockKey>,
         blocks: &[(BlockKey, u32)],
     ) -> Result<StoreReply, ClientError> {
+        self.store_with(pool, salt, parent, blocks, false).await
+    }
+
+    /// Like [`Client::store`], but returns only when the blocks are also written to the
+    /// sidecar's disk tier and fdatasynced (whatever its write policy): a crash or power cut
+    /// after this returns loses none of `durable_blocks`; `not_durable` lists the others
+    /// (retry them). Slower by the disk writes and one fdatasync.
+    ///
+    /// # Errors
+    /// As [`Client::store`]; `FAILED_PRECONDITION` from a sidecar without a disk tier or with
+    /// `disk.write_policy = none`.
+    ///
+    /// # Cancel safety
+    /// As [`Client::store`]; dropping the future after the slots were copied leaves the disk
+    /// writes running, but then nothing says whether they finished.
+    pub async fn store_durable(
+        &mut self,
+        pool: &PoolHandle,
+        salt: &str,
+        parent: Option<BlockKey>,
+        blocks: &[(BlockKey, u32)],
+    ) -> Result<StoreReply, ClientError> {
+        self.store_with(pool, salt, parent, blocks, true).await
+    }
+
+    async fn store_with(
+        &mut self,
+        pool: &PoolHandle,
+        salt: &str,
+        parent: Option<BlockKey>,
+        blocks: &[(BlockKey, u32)],
+        durable: bool,
+    ) -> Result<StoreReply, ClientError> {
         let r = self
             .rpc
             .store(proto::StoreRequest {
@@ -325,6 +358,7 @@ impl Client {
                 keys: pack_keys(&blocks.iter().map(|b| b.0).collect::<Vec<_>>()),
                 slots: blocks.iter().map(|b| b.1).collect(),
                 parent: pack_key(parent),
+                durable,
             })
             .await?
             .into_inner();

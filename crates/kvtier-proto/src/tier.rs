@@ -153,6 +153,10 @@ pub struct StoreReply {
     pub bytes: u64,
     /// When the copies ran (`None` from a sidecar that did not say).
     pub timing: Option<WireTiming>,
+    /// A durable store: the request's blocks now on disk and fdatasynced.
+    pub durable_blocks: u32,
+    /// A durable store: the request's blocks that are not (see the proto's `not_durable`).
+    pub not_durable: Vec<BlockKey>,
 }
 
 impl From<StoreReply> for proto::StoreResponse {
@@ -163,6 +167,8 @@ impl From<StoreReply> for proto::StoreResponse {
             no_space: pack_keys(&r.no_space),
             bytes: r.bytes,
             timing: r.timing.map(Into::into),
+            durable_blocks: r.durable_blocks,
+            not_durable: pack_keys(&r.not_durable),
         }
     }
 }
@@ -171,7 +177,7 @@ impl TryFrom<proto::StoreResponse> for StoreReply {
     type Error = ProtoError;
 
     /// # Errors
-    /// [`ProtoError::BadKeys`] for `no_space`.
+    /// [`ProtoError::BadKeys`] for `no_space` or `not_durable`.
     fn try_from(r: proto::StoreResponse) -> Result<Self, ProtoError> {
         Ok(Self {
             stored_blocks: r.stored_blocks,
@@ -179,6 +185,8 @@ impl TryFrom<proto::StoreResponse> for StoreReply {
             no_space: unpack_keys("no_space", &r.no_space)?,
             bytes: r.bytes,
             timing: r.timing.map(WireTiming::from),
+            durable_blocks: r.durable_blocks,
+            not_durable: unpack_keys("not_durable", &r.not_durable)?,
         })
     }
 }

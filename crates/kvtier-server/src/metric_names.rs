@@ -22,6 +22,10 @@ pub const QUEUE_INFLIGHT_BYTES: &str = "kvtier_queue_inflight_bytes";
 pub const TRANSFER_REQUESTS: &str = "kvtier_transfer_requests_total";
 /// Blocks acknowledged to engines whose disk write (under the write policy) has not finished.
 pub const DISK_PENDING_WRITES: &str = "kvtier_disk_pending_write_blocks";
+/// Blocks acknowledged to engines on their way to disk that a crash or power cut could still
+/// lose: waiting for their disk write, or written and not yet fdatasynced. Durable stores
+/// reply only once theirs left this count.
+pub const NOT_DURABLE_BLOCKS: &str = "kvtier_acknowledged_not_durable_blocks";
 /// Bytes of blocks held, by `tier` (host, disk).
 pub const TIER_USED_BYTES: &str = "kvtier_tier_used_bytes";
 /// Bytes a tier may hold, by `tier`.
@@ -60,6 +64,7 @@ pub const ALL: &[&str] = &[
     QUEUE_INFLIGHT_BYTES,
     TRANSFER_REQUESTS,
     DISK_PENDING_WRITES,
+    NOT_DURABLE_BLOCKS,
     TIER_USED_BYTES,
     TIER_CAPACITY_BYTES,
     TIER_BLOCKS,
@@ -100,6 +105,10 @@ pub fn describe() {
     describe_gauge!(
         DISK_PENDING_WRITES,
         "Acknowledged blocks waiting for their disk write"
+    );
+    describe_gauge!(
+        NOT_DURABLE_BLOCKS,
+        "Acknowledged blocks on their way to disk not yet durable: waiting for their write, or written and not fdatasynced"
     );
     describe_gauge!(TIER_USED_BYTES, Unit::Bytes, "Bytes of blocks held, by tier");
     describe_gauge!(TIER_CAPACITY_BYTES, Unit::Bytes, "Bytes a tier may hold");

@@ -16,8 +16,8 @@ use kvtier_proto::{
     LoadDone, MatchReply, MatchedBlock, StoreReply, WireTiming, geometry_from_proto, tier_filter_from_proto,
 };
 use kvtier_transfer::{
-    CpuDevicePool, DevicePool, EventSink, InflightBlocks, LoadBlock, LoadEvent, LoadHandle, StoreBlock,
-    StoreEvent, TransferError, TransferTiming,
+    CpuDevicePool, DevicePool, Durability, EventSink, InflightBlocks, LoadBlock, LoadEvent, LoadHandle,
+    PersistReport, StoreBlock, StoreEvent, StoreReport, TransferError, TransferTiming,
 };
 use metrics::{counter, histogram};
 use tokio::sync::mpsc;
@@ -479,33 +479,65 @@ impl KvTier for KvTierService {
                     b
                 })
                 .collect();
-            // The copy is awaited on the runtime: a store worker completes the oneshot.
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            let tx = std::sync::Mutex::new(Some(tx));
+            let durability = if r.durable {
+                Durability::Disk
+            } else {
+                Durability::Host
+            };
+            // The copy (and a durable store's disk writes) are awaited on the runtime: a store
+            // worker completes the oneshots.
+            let (copied_tx, copied_rx) = tokio::sync::oneshot::channel();
+            let (persisted_tx, persisted_rx) = tokio::sync::oneshot::channel();
+            let txs = std::sync::Mutex::new((Some(copied_tx), Some(persisted_tx)));
             let sink = EventSink::new(move |e| {
-                if let StoreEvent::Copied(r) = e
-                    && let Some(tx) = tx.lock().unwrap_or_else(|e| e.into_inner()).take()
-                {
-                    let _ = tx.send(r);
+                let mut txs = txs.lock().unwrap_or_else(|e| e.into_inner());
+                match e {
+                    StoreEvent::Copied(r) => {
+                        if let Some(tx) = txs.0.take() {
+                            let _ = tx.send(r);
+                        }
+                    }
+                    StoreEvent::Persisted(r) => {
+                        if let Some(tx) = txs.1.take() {
+                            let _ = tx.send(r);
+                        }
+                    }
                 }
             });
-            let mut handle =
-                self.state
-                    .queues
-                    .store
-                    .submit_to(&pool.device, &self.state.store, ns, &blocks, sink)?;
-            let report = rx.await.unwrap_or(Err(TransferError::ShutDown))?;
+            let mut handle = self.state.queues.store.submit_to(
+                &pool.device,
+                &self.state.store,
+                ns,
+                &blocks,
+                durability,
+                sink,
+            )?;
+            let report = copied_rx.await.unwrap_or(Err(TransferError::ShutDown))?;
             handle.disarm();
             histogram!(m::TRANSFER_SECONDS, "route" => "device_to_host")
                 .record(report.timing.span().as_secs_f64());
-            Ok(StoreReply {
+            let mut reply = StoreReply {
                 stored_blocks: report.stored_blocks as u32,
                 already_stored: report.already_stored as u32,
-                no_space: report.no_space,
+                no_space: report.no_space.clone(),
                 bytes: report.bytes,
                 timing: Some(wire_timing(&report.timing)),
+                ..StoreReply::default()
+            };
+            if r.durable {
+                // The blocks stay in host memory whatever happens now; what this waits for is
+                // their disk writes and the fdatasync after them.
+                let persisted = persisted_rx.await.unwrap_or(Err(TransferError::ShutDown));
+                let not_durable = not_durable(&blocks, &report, persisted.as_ref().ok());
+                if let Ok(p) = &persisted
+                    && let Some(t) = &p.timing
+                {
+                    reply.timing = Some(wire_timing(t));
+                }
+                reply.durable_blocks = (blocks.len() - not_durable.len()) as u32;
+                reply.not_durable = not_durable;
             }
-            .into())
+            Ok(reply.into())
         })
         .await
     }
@@ -739,4 +771,25 @@ impl Stream for LoadEvents {
             }
         }))
     }
+}
+
+/// A durable store's blocks that are not on stable storage, in request order: dropped for
+/// lack of host memory, stored by another request at that moment, failed on disk — or all of
+/// them if the disk writes did not finish or the sync after them failed.
+fn not_durable(
+    blocks: &[StoreBlock],
+    copied: &StoreReport,
+    persisted: Option<&PersistReport>,
+) -> Vec<BlockKey> {
+    let Some(p) = persisted.filter(|p| p.synced) else {
+        return blocks.iter().map(|b| b.key).collect();
+    };
+    let bad: std::collections::HashSet<BlockKey> = copied
+        .no_space
+        .iter()
+        .chain(&copied.not_persisted)
+        .chain(p.failed.iter().map(|f| &f.0))
+        .copied()
+        .collect();
+    blocks.iter().map(|b| b.key).filter(|k| bad.contains(k)).collect()
 }

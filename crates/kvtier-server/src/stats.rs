@@ -59,6 +59,8 @@ impl Snapshot {
             }
         }
         gauge!(m::DISK_PENDING_WRITES).set(self.store_queue.pending_disk_blocks as f64);
+        let unsynced = self.tiers.disk.map_or(0, |d| d.unsynced_blocks);
+        gauge!(m::NOT_DURABLE_BLOCKS).set((self.store_queue.pending_disk_blocks + unsynced) as f64);
         let h = &self.tiers.host;
         gauge!(m::TIER_USED_BYTES, "tier" => Tier::Host.name())
             .set((u64::from(h.used_pages) * h.page_bytes) as f64);

@@ -8,7 +8,7 @@
 //! restart reads one small file per region instead of every header.
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
@@ -130,6 +130,9 @@ pub struct DiskTierStats {
     pub dropped_writes_no_space_total: u64,
     /// Writes dropped on another I/O error.
     pub dropped_writes_io_error_total: u64,
+    /// Blocks written whose region file has not been fdatasynced since (a power cut may lose
+    /// them; a process kill does not).
+    pub unsynced_blocks: u64,
 }
 
 #[derive(Debug, Default)]
@@ -142,6 +145,8 @@ struct Counters {
     reclaimed_entries: AtomicU64,
     no_space: AtomicU64,
     io_error: AtomicU64,
+    /// Blocks written and not yet fdatasynced.
+    unsynced: AtomicU64,
 }
 
 /// Where a block lives on disk.
@@ -189,8 +194,11 @@ struct Inner {
     active: Mutex<Active>,
     seq: AtomicU64,
     cleared: Mutex<HashMap<NamespaceFingerprint, u64>>,
-    /// Regions written since the last periodic fsync.
-    dirty: Mutex<BTreeSet<u64>>,
+    /// Regions written since their last fsync, with how many blocks each got meanwhile.
+    dirty: Mutex<BTreeMap<u64, u64>>,
+    /// Held across a whole sync pass (periodic, durable or flush), so a durable store's sync
+    /// waits for a pass already syncing its region instead of finding nothing dirty.
+    sync_lock: Mutex<()>,
     counters: Counters,
 }
 
@@ -280,7 +288,8 @@ impl DiskTier {
             }),
             seq: AtomicU64::new(0),
             cleared: Mutex::new(read_cleared(&dir)),
-            dirty: Mutex::new(BTreeSet::new()),
+            dirty: Mutex::new(BTreeMap::new()),
+            sync_lock: Mutex::new(()),
             counters: Counters::default(),
         };
         let mut report = inner.recover()?;
@@ -391,7 +400,8 @@ impl DiskTier {
             }
         };
         inner.finish_slot(&region, record);
-        lock_poisoned(inner.dirty.lock()).insert(region.id);
+        *lock_poisoned(inner.dirty.lock()).entry(region.id).or_default() += 1;
+        inner.counters.unsynced.fetch_add(1, Ordering::Relaxed);
         // Publish only if the region was not reclaimed meanwhile.
         if lock_poisoned(inner.regions.read()).contains_key(&region.id) {
             let loc = Loc {
@@ -515,12 +525,29 @@ impl DiskTier {
         if let Some(r) = active {
             inner.write_index(&r)?;
         }
-        for r in lock_poisoned(inner.regions.read()).values() {
-            r.file
-                .sync_data()
-                .map_err(|e| StoreError::io("fdatasync", &r.path, e))?;
+        let _pass = lock_poisoned(inner.sync_lock.lock());
+        let dirty = std::mem::take(&mut *lock_poisoned(inner.dirty.lock()));
+        let regions: Vec<Arc<Region>> = lock_poisoned(inner.regions.read()).values().cloned().collect();
+        for r in regions {
+            if let Err(e) = r.file.sync_data() {
+                inner.restore_dirty(dirty);
+                return Err(StoreError::io("fdatasync", &r.path, e));
+            }
         }
+        inner.synced(&dirty);
         Ok(())
+    }
+
+    /// `fdatasync`s every region file written since its last sync: when this returns `Ok`,
+    /// every block whose [`DiskTier::append`] returned before the call is on stable storage
+    /// (a sync already running elsewhere is waited for, not skipped). Durable stores call it.
+    ///
+    /// Cost: one `fdatasync` per region written since the last pass (usually one).
+    ///
+    /// # Errors
+    /// [`StoreError::Io`] naming the region file; its blocks stay counted as unsynced.
+    pub fn sync(&self) -> Result<(), StoreError> {
+        self.inner.sync_dirty()
     }
 
     /// With buffered I/O: writes back and evicts every region file's pages from the page cache,
@@ -570,11 +597,48 @@ impl DiskTier {
             reclaimed_entries_total: l(&c.reclaimed_entries),
             dropped_writes_no_space_total: l(&c.no_space),
             dropped_writes_io_error_total: l(&c.io_error),
+            unsynced_blocks: l(&c.unsynced),
         }
     }
 }
 
 impl Inner {
+    /// One sync pass over the dirty regions (see [`DiskTier::sync`]).
+    fn sync_dirty(&self) -> Result<(), StoreError> {
+        let _pass = lock_poisoned(self.sync_lock.lock());
+        let mut dirty = std::mem::take(&mut *lock_poisoned(self.dirty.lock()));
+        let mut done = BTreeMap::new();
+        while let Some((id, blocks)) = dirty.pop_first() {
+            let region = lock_poisoned(self.regions.read()).get(&id).cloned();
+            // A region reclaimed meanwhile has no blocks left to make durable.
+            if let Some(r) = region
+                && let Err(e) = r.file.sync_data()
+            {
+                dirty.insert(id, blocks);
+                self.synced(&done);
+                self.restore_dirty(dirty);
+                return Err(StoreError::io("fdatasync", &r.path, e));
+            }
+            done.insert(id, blocks);
+        }
+        self.synced(&done);
+        Ok(())
+    }
+
+    /// These regions' blocks are on stable storage.
+    fn synced(&self, regions: &BTreeMap<u64, u64>) {
+        let n: u64 = regions.values().sum();
+        self.counters.unsynced.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    /// A pass failed: these regions are still dirty (counts merged with writes since).
+    fn restore_dirty(&self, regions: BTreeMap<u64, u64>) {
+        let mut d = lock_poisoned(self.dirty.lock());
+        for (id, n) in regions {
+            *d.entry(id).or_default() += n;
+        }
+    }
+
     /// Warns when `dir`'s file system cannot hold `capacity_bytes` next to the regions the
     /// tier already has: the tier then holds what fits (see [`space`]); it does not refuse to
     /// start, since the space may be freed later.

@@ -102,6 +102,9 @@ pub enum TransferError {
     /// The queue was shut down before the transfer finished.
     #[error("transfer queue shut down before the transfer finished")]
     ShutDown,
+    /// A durable store on a sidecar whose disk tier is off (or never written).
+    #[error("a durable store needs a disk tier that is written: {0}")]
+    NoDiskTier(&'static str),
 }
 
 impl TransferError {
@@ -117,7 +120,8 @@ impl TransferError {
             | TransferError::NotAPool { .. }
             | TransferError::SlotCountMismatch { .. }
             | TransferError::PoolUnusable { .. }
-            | TransferError::NoSlots => ErrorKind::FailedPrecondition,
+            | TransferError::NoSlots
+            | TransferError::NoDiskTier(_) => ErrorKind::FailedPrecondition,
             TransferError::QueueFull { .. } => ErrorKind::ResourceExhausted,
             TransferError::Cancelled => ErrorKind::Cancelled,
             TransferError::Spawn(_) => ErrorKind::Internal,

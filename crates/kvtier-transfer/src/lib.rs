@@ -35,7 +35,7 @@ pub use load_queue::{InflightBlocks, LoadBlock, LoadEvent, LoadHandle, LoadQueue
 pub use queue_core::QueueStats;
 pub use route::{Route, RouteFigures, RouteStats};
 pub use store_queue::{
-    PersistReport, StoreBlock, StoreEvent, StoreHandle, StoreQueue, StoreReport, StoreTicket,
+    Durability, PersistReport, StoreBlock, StoreEvent, StoreHandle, StoreQueue, StoreReport, StoreTicket,
 };
 pub use transfer_queues::{TransferConfig, TransferQueues};
 pub use transfer_timing::TransferTiming;

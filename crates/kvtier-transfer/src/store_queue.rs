@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_core::{BlockKey, NamespaceFingerprint};
 use kvtier_store::{
-    Appended, DiskTier, HostTier, PageWriter, PinnedPage, Reservation, StoreError, TieredStore,
+    Appended, DiskTier, HostTier, PageWriter, PinnedPage, Reservation, StoreError, TieredStore, WritePolicy,
 };
 
 use crate::disk_io_gate::DiskIoGate;
@@ -32,6 +32,19 @@ pub struct StoreBlock {
     pub slot: u32,
 }
 
+/// When a store's requester hears it is done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Durability {
+    /// When its blocks are in host memory (the slots may be reused); disk writes follow under
+    /// the write policy.
+    #[default]
+    Host,
+    /// Also when its blocks are written to the disk tier and fdatasynced, whatever the write
+    /// policy (blocks the host tier already held are written too if the disk lacks them). The
+    /// [`StoreEvent::Persisted`] report then says which blocks are durable.
+    Disk,
+}
+
 /// What a store's device → host copy did.
 #[derive(Debug, Clone)]
 pub struct StoreReport {
@@ -41,6 +54,10 @@ pub struct StoreReport {
     pub already_stored: usize,
     /// Blocks dropped because no host page could be freed (counted as dropped stores).
     pub no_space: Vec<BlockKey>,
+    /// Of the already stored blocks, those another request was storing at that moment (their
+    /// host page not yet published), or, for a [`Durability::Disk`] store, that were evicted
+    /// before they could be pinned for their disk write: this store cannot make them durable.
+    pub not_persisted: Vec<BlockKey>,
     /// Bytes copied.
     pub bytes: u64,
     /// When the copies ran.
@@ -63,6 +80,9 @@ pub struct PersistReport {
     pub timing: Option<TransferTiming>,
     /// When the disk writes alone ran. `None` when nothing was to be written.
     pub disk_timing: Option<TransferTiming>,
+    /// For a [`Durability::Disk`] store: the written and already-on-disk blocks were
+    /// fdatasynced afterwards (`false` if the sync failed: then they are in `failed` too).
+    pub synced: bool,
 }
 
 /// Progress of a store, in order: exactly one `Copied`, then exactly one `Persisted`.
@@ -178,40 +198,97 @@ impl StoreQueue {
         ns: NamespaceFingerprint,
         blocks: &[StoreBlock],
     ) -> Result<StoreTicket, TransferError> {
+        self.ticket(pool, store, ns, blocks, Durability::Host)
+    }
+
+    /// Like [`StoreQueue::submit`] with [`Durability::Disk`]: wait with
+    /// [`StoreTicket::wait_persisted`] to know the blocks are on stable storage.
+    ///
+    /// # Errors
+    /// As [`StoreQueue::submit`], and [`TransferError::NoDiskTier`] without a disk tier.
+    pub fn submit_durable(
+        &self,
+        pool: &Arc<dyn DevicePool>,
+        store: &TieredStore,
+        ns: NamespaceFingerprint,
+        blocks: &[StoreBlock],
+    ) -> Result<StoreTicket, TransferError> {
+        self.ticket(pool, store, ns, blocks, Durability::Disk)
+    }
+
+    fn ticket(
+        &self,
+        pool: &Arc<dyn DevicePool>,
+        store: &TieredStore,
+        ns: NamespaceFingerprint,
+        blocks: &[StoreBlock],
+        durability: Durability,
+    ) -> Result<StoreTicket, TransferError> {
         let (tx, rx) = mpsc::channel();
-        let cancel = self.submit_to(pool, store, ns, blocks, EventSink::channel(tx))?;
+        let cancel = self.submit_to(pool, store, ns, blocks, durability, EventSink::channel(tx))?;
         Ok(StoreTicket { rx, cancel })
     }
 
-    /// Like [`StoreQueue::submit`], but the events go to `events` (on a store worker thread)
-    /// instead of a ticket to block on. Never blocks.
+    /// Like [`StoreQueue::submit`] (or [`StoreQueue::submit_durable`]), but the events go to
+    /// `events` (on a store worker thread) instead of a ticket to block on. Never blocks.
     ///
     /// # Errors
-    /// As [`StoreQueue::submit`]; no event is sent when an error is returned.
+    /// As [`StoreQueue::submit_durable`]; no event is sent when an error is returned.
     pub fn submit_to(
         &self,
         pool: &Arc<dyn DevicePool>,
         store: &TieredStore,
         ns: NamespaceFingerprint,
         blocks: &[StoreBlock],
+        durability: Durability,
         events: EventSink<StoreEvent>,
     ) -> Result<StoreHandle, TransferError> {
         let geometry = *store.geometry();
         validate_request("store", pool.as_ref(), &geometry, blocks.iter().map(|b| b.slot))?;
+        let durable_to = match durability {
+            Durability::Host => None,
+            Durability::Disk => match store.disk() {
+                None => {
+                    return Err(TransferError::NoDiskTier(
+                        "this sidecar has no disk tier (disk.dir)",
+                    ));
+                }
+                Some(_) if store.write_policy() == WritePolicy::None => {
+                    return Err(TransferError::NoDiskTier("disk.write_policy is none"));
+                }
+                Some(disk) => Some(disk.clone()),
+            },
+        };
         let submitted = Instant::now();
         let asked = (blocks.len() * geometry.bytes_per_block()) as u64;
         let inflight = self.core.admit(asked, blocks.len())?;
         let host = store.host();
         let mut writers = Vec::with_capacity(blocks.len());
         let mut copies = Vec::with_capacity(blocks.len());
-        let (mut already_stored, mut no_space) = (0, Vec::new());
+        let (mut already_stored, mut no_space, mut not_persisted) = (0, Vec::new(), Vec::new());
+        // A durable store writes the blocks the host already held too, if the disk lacks them.
+        let mut held = Vec::new();
         for b in blocks {
             match host.reserve(ns, b.key, b.parent) {
                 Ok(Reservation::Writer(w)) => {
                     copies.push((b.slot, w.layer_range(0)?.0));
                     writers.push(w);
                 }
-                Ok(Reservation::AlreadyStored | Reservation::InFlight) => already_stored += 1,
+                Ok(Reservation::AlreadyStored) => {
+                    already_stored += 1;
+                    if let Some(disk) = &durable_to
+                        && !disk.contains(ns, b.key)
+                    {
+                        match host.pin(ns, b.key) {
+                            Some(p) => held.push(p),
+                            None => not_persisted.push(b.key),
+                        }
+                    }
+                }
+                Ok(Reservation::InFlight) => {
+                    already_stored += 1;
+                    not_persisted.push(b.key);
+                }
                 Err(StoreError::NoSpace { .. }) => no_space.push(b.key),
                 Err(e) => return Err(e.into()),
             }
@@ -234,13 +311,18 @@ impl StoreQueue {
             pool: Arc::clone(pool),
             host: host.clone(),
             ns,
-            persist_to: store.persists_on_store().then(|| store.disk().cloned()).flatten(),
+            persist_to: durable_to
+                .clone()
+                .or_else(|| store.persists_on_store().then(|| store.disk().cloned()).flatten()),
+            durable: durable_to.is_some(),
+            held: Mutex::new(held),
             layer_bytes: geometry.bytes_per_block_layer(),
             bytes: (copies.len() * geometry.bytes_per_block()) as u64,
             copies,
             writers: Mutex::new(writers),
             already_stored,
             no_space,
+            not_persisted,
             events,
             shared: self.shared(),
             io_workers: self.core.io_handle(),
@@ -331,8 +413,12 @@ struct StoreJob {
     pool: Arc<dyn DevicePool>,
     host: HostTier,
     ns: NamespaceFingerprint,
-    /// The disk to write the blocks to afterwards (write policy `all`).
+    /// The disk to write the blocks to afterwards (write policy `all`, or a durable store).
     persist_to: Option<DiskTier>,
+    /// A [`Durability::Disk`] store: sync after writing, report which blocks are durable.
+    durable: bool,
+    /// Pages the host tier already held that a durable store writes too.
+    held: Mutex<Vec<PinnedPage>>,
     /// (device slot, host page offset) per block being written.
     copies: Vec<(u32, usize)>,
     layer_bytes: usize,
@@ -340,6 +426,7 @@ struct StoreJob {
     writers: Mutex<Vec<PageWriter>>,
     already_stored: usize,
     no_space: Vec<BlockKey>,
+    not_persisted: Vec<BlockKey>,
     events: EventSink<StoreEvent>,
     shared: PersistShared,
     io_workers: WorkerHandle,
@@ -388,6 +475,7 @@ impl ChunkedJob for StoreJob {
     fn finish(&self) {
         let outcome = self.core.outcome();
         let writers = std::mem::take(&mut *lock(&self.writers));
+        let held = std::mem::take(&mut *lock(&self.held));
         let blocks = self.copies.len() as u64;
         self.shared
             .counters
@@ -396,11 +484,12 @@ impl ChunkedJob for StoreJob {
             stored_blocks: self.copies.len(),
             already_stored: self.already_stored,
             no_space: self.no_space.clone(),
+            not_persisted: self.not_persisted.clone(),
             bytes: self.bytes,
             timing: self.core.timing.snapshot(),
         });
         if report.is_err() {
-            drop(writers);
+            drop((writers, held));
             self.core.release_inflight();
             self.events.send(StoreEvent::Copied(report));
             self.events
@@ -414,8 +503,9 @@ impl ChunkedJob for StoreJob {
         // earlier ones, so they leave in suffix-to-prefix order.
         let persist = match &self.persist_to {
             Some(disk) => {
-                let pins: Vec<PinnedPage> =
+                let mut pins: Vec<PinnedPage> =
                     writers.into_iter().rev().map(PageWriter::commit_pinned).collect();
+                pins.extend(held);
                 Some((disk.clone(), pins))
             }
             None => {
@@ -423,30 +513,63 @@ impl ChunkedJob for StoreJob {
                 None
             }
         };
-        self.events.send(StoreEvent::Copied(report));
-        match persist {
-            Some((disk, pins)) if !pins.is_empty() => {
-                self.io_workers.launch(Arc::new(PersistJob::new(
-                    disk,
-                    self.host.clone(),
-                    self.ns,
-                    pins,
-                    Continuation {
-                        // Persistence outlives the ticket: it cannot be cancelled.
-                        cancelled: Arc::new(AtomicBool::new(false)),
-                        ..self.core.continuation()
+        // The disk job exists (its blocks counted as pending disk writes) before the requester
+        // hears of the copy: a graceful stop right after the reply sees them.
+        let job = match persist {
+            Some((disk, pins)) if !pins.is_empty() => Some(PersistJob::new(
+                disk,
+                self.host.clone(),
+                self.ns,
+                pins,
+                Continuation {
+                    // Persistence outlives the ticket: it cannot be cancelled.
+                    cancelled: Arc::new(AtomicBool::new(false)),
+                    ..self.core.continuation()
+                },
+                Some(Requester {
+                    events: self.events.clone(),
+                    durability: if self.durable {
+                        Durability::Disk
+                    } else {
+                        Durability::Host
                     },
-                    Some(self.events.clone()),
-                    self.shared.clone(),
-                )));
-            }
-            _ => {
+                }),
+                self.shared.clone(),
+            )),
+            _ => None,
+        };
+        self.events.send(StoreEvent::Copied(report));
+        match job {
+            Some(job) => self.io_workers.launch(Arc::new(job)),
+            None => {
+                // Nothing to write; a durable store still syncs what it found on disk (another
+                // store may have written it since the last pass).
+                let report = match (&self.persist_to, self.durable) {
+                    (Some(disk), true) => match disk.sync() {
+                        Ok(()) => PersistReport {
+                            synced: true,
+                            ..PersistReport::default()
+                        },
+                        Err(e) => {
+                            tracing::warn!(error = %e, "durable store: disk tier sync failed");
+                            PersistReport::default()
+                        }
+                    },
+                    _ => PersistReport::default(),
+                };
                 self.core.release_inflight();
-                self.events
-                    .send(StoreEvent::Persisted(Ok(PersistReport::default())));
+                self.events.send(StoreEvent::Persisted(Ok(report)));
             }
         }
     }
+}
+
+/// Who hears of a disk job's end (nobody, for writes the admission filter queued), and
+/// whether it waits for them to be synced.
+#[derive(Debug)]
+struct Requester {
+    events: EventSink<StoreEvent>,
+    durability: Durability,
 }
 
 /// Host pages → disk entries, one block per chunk; each page stays pinned (so it is served from
@@ -464,6 +587,8 @@ struct PersistJob {
     already: AtomicU64,
     failed: Mutex<Vec<(BlockKey, String)>>,
     events: Option<EventSink<StoreEvent>>,
+    /// Sync the disk tier after the writes (a durable store).
+    sync: bool,
     shared: PersistShared,
     /// Writes wait for pending disk reads until then at the latest.
     defer_until: Instant,
@@ -476,9 +601,13 @@ impl PersistJob {
         ns: NamespaceFingerprint,
         pins: Vec<PinnedPage>,
         parts: Continuation,
-        events: Option<EventSink<StoreEvent>>,
+        requester: Option<Requester>,
         shared: PersistShared,
     ) -> Self {
+        let sync = requester
+            .as_ref()
+            .is_some_and(|r| r.durability == Durability::Disk);
+        let events = requester.map(|r| r.events);
         let blocks: Vec<(BlockKey, usize)> = pins
             .iter()
             .map(|p| (p.key(), p.layer_range(0).map_or(0, |r| r.0)))
@@ -498,6 +627,7 @@ impl PersistJob {
             already: AtomicU64::new(0),
             failed: Mutex::new(Vec::new()),
             events,
+            sync,
             defer_until: Instant::now() + shared.max_defer,
             shared,
         }
@@ -544,10 +674,30 @@ impl ChunkedJob for PersistJob {
     }
 
     fn finish(&self) {
+        // A durable store: every block written (or found on disk) reaches stable storage before
+        // the report; the pages stay pinned until then.
+        let mut failed = std::mem::take(&mut *lock(&self.failed));
+        let synced = self.sync
+            && match self.disk.sync() {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "durable store: disk tier sync failed");
+                    let reason = e.to_string();
+                    let failed_keys: std::collections::HashSet<BlockKey> =
+                        failed.iter().map(|f| f.0).collect();
+                    let unsynced: Vec<(BlockKey, String)> = self
+                        .blocks
+                        .iter()
+                        .filter(|b| !failed_keys.contains(&b.0))
+                        .map(|b| (b.0, reason.clone()))
+                        .collect();
+                    failed.extend(unsynced);
+                    false
+                }
+            };
         drop(std::mem::take(&mut *lock(&self.pins)));
         self.core.release_inflight();
         let written = self.written.load(Ordering::Relaxed);
-        let failed = std::mem::take(&mut *lock(&self.failed));
         let block_bytes = self.host.geometry().bytes_per_block() as u64;
         let c = &self.shared.counters;
         c.disk_blocks.fetch_add(written, Ordering::Relaxed);
@@ -567,6 +717,7 @@ impl ChunkedJob for PersistJob {
                 bytes: written * block_bytes,
                 timing: Some(self.core.timing.snapshot()),
                 disk_timing: Some(self.core.own_timing()),
+                synced,
             });
             events.send(StoreEvent::Persisted(report));
         }

@@ -399,6 +399,7 @@ fn events_go_to_a_callback_and_a_non_blocking_load_refuses_instead_of_waiting() 
             &r.store,
             NS,
             &chain_blocks(&ks[..3], 0),
+            kvtier_transfer::Durability::Host,
             EventSink::new(move |e| tx.send(e).unwrap()),
         )
         .unwrap();

@@ -87,6 +87,81 @@ fn stored_blocks_persist_and_load_back_from_disk_bit_exact() {
 }
 
 #[test]
+fn a_durable_store_answers_once_its_blocks_are_written_and_synced_whatever_the_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    // write_through would write nothing on a first store; a durable store writes anyway.
+    let r = disk_rig(dir.path(), 64, WritePolicy::WriteThrough);
+    let disk = r.store.disk().unwrap().clone();
+    let ks = keys(12, 9, 16);
+    r.write_slots(&ks, 0);
+    // Blocks 0..4 reach host memory first by a plain store: not on disk.
+    r.queues
+        .store
+        .submit(&r.dyn_pool, &r.store, NS, &chain_blocks(&ks[..4], 0))
+        .unwrap()
+        .wait_persisted()
+        .unwrap();
+    assert!(!disk.contains(NS, ks[0]));
+    let (copied, persisted) = r
+        .queues
+        .store
+        .submit_durable(&r.dyn_pool, &r.store, NS, &chain_blocks(&ks, 0))
+        .unwrap()
+        .wait_persisted()
+        .unwrap();
+    assert_eq!((copied.stored_blocks, copied.already_stored), (8, 4));
+    assert!(copied.not_persisted.is_empty());
+    assert_eq!(
+        persisted.written_blocks, 12,
+        "the four the host held were written too"
+    );
+    assert!(persisted.synced && persisted.failed.is_empty(), "{persisted:?}");
+    assert!(ks.iter().all(|&k| disk.contains(NS, k)));
+    assert_eq!(disk.stats().unsynced_blocks, 0, "durable means fdatasynced");
+    assert_eq!(r.host.stats().pinned_pages, 0);
+    // Again: all on disk already, nothing written, still synced.
+    let (_, again) = r
+        .queues
+        .store
+        .submit_durable(&r.dyn_pool, &r.store, NS, &chain_blocks(&ks, 0))
+        .unwrap()
+        .wait_persisted()
+        .unwrap();
+    assert!(again.synced && again.written_blocks == 0, "{again:?}");
+    // The bytes on disk are the ones stored.
+    assert_eq!(r.host.clear(None).0, 12);
+    r.scrub(32, 12);
+    let report = r
+        .queues
+        .load
+        .submit(&r.dyn_pool, &r.store, NS, &Rig::load_blocks(&ks, 32))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!((report.disk_blocks, report.missing.len()), (12, 0));
+    r.assert_slots(&ks, 32);
+
+    // Without a disk tier, or one that is never written: refused, nothing reserved.
+    let plain = rig(geo(), 64, 64, TransferConfig::default());
+    plain.write_slots(&ks, 0);
+    let e = plain
+        .queues
+        .store
+        .submit_durable(&plain.dyn_pool, &plain.store, NS, &chain_blocks(&ks, 0))
+        .unwrap_err();
+    assert!(e.to_string().contains("no disk tier"), "{e}");
+    assert_eq!(plain.host.stats().used_pages, 0);
+    let dir2 = tempfile::tempdir().unwrap();
+    let read_only = disk_rig(dir2.path(), 64, WritePolicy::None);
+    let e = read_only
+        .queues
+        .store
+        .submit_durable(&read_only.dyn_pool, &read_only.store, NS, &chain_blocks(&ks, 0))
+        .unwrap_err();
+    assert!(e.to_string().contains("write_policy is none"), "{e}");
+}
+
+#[test]
 fn write_through_admits_blocks_on_their_second_hit() {
     let dir = tempfile::tempdir().unwrap();
     let r = disk_rig(dir.path(), 64, WritePolicy::WriteThrough);

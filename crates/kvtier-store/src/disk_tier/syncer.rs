@@ -6,7 +6,7 @@
 use std::sync::Weak;
 use std::time::Duration;
 
-use super::{Inner, lock_poisoned};
+use super::Inner;
 
 /// Starts the thread. It holds the tier only while it syncs, so dropping the tier is not
 /// delayed by it.
@@ -23,15 +23,10 @@ pub(super) fn spawn(inner: Weak<Inner>, interval: Duration) -> std::io::Result<(
         .map(drop)
 }
 
-/// `fdatasync`s every region file written since the last call.
+/// `fdatasync`s every region file written since the last pass; a failure is logged (its
+/// blocks stay counted as unsynced and are retried next pass).
 pub(super) fn sync_written(inner: &Inner) {
-    let ids = std::mem::take(&mut *lock_poisoned(inner.dirty.lock()));
-    for id in ids {
-        let region = lock_poisoned(inner.regions.read()).get(&id).cloned();
-        if let Some(r) = region
-            && let Err(e) = r.file.sync_data()
-        {
-            tracing::warn!(region = id, path = %r.path.display(), error = %e, "disk tier fsync failed");
-        }
+    if let Err(e) = inner.sync_dirty() {
+        tracing::warn!(error = %e, "disk tier fsync failed");
     }
 }

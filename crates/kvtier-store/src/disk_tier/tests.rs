@@ -419,3 +419,30 @@ fn capacity_below_one_region_is_refused() {
     .unwrap_err();
     assert!(matches!(e, StoreError::CapacityTooSmall { .. }), "{e}");
 }
+
+#[test]
+fn unsynced_blocks_are_counted_until_a_sync_or_flush() {
+    let dir = tempfile::tempdir().unwrap();
+    // No periodic pass: only sync and flush clear the count.
+    let (t, _) = DiskTier::open(
+        geo(),
+        &DiskTierConfig {
+            fsync_interval_ms: 0,
+            ..config(dir.path())
+        },
+    )
+    .unwrap();
+    // 11 blocks over two regions of 8.
+    let ks = keys(11, 77);
+    write_all(&t, &ks);
+    assert_eq!(t.stats().unsynced_blocks, 11);
+    t.sync().unwrap();
+    assert_eq!(t.stats().unsynced_blocks, 0);
+    t.sync().unwrap();
+    assert_eq!(t.stats().unsynced_blocks, 0, "nothing dirty: a no-op");
+    let more = keys(3, 78);
+    write_all(&t, &more);
+    assert_eq!(t.stats().unsynced_blocks, 3);
+    t.flush().unwrap();
+    assert_eq!(t.stats().unsynced_blocks, 0);
+}
