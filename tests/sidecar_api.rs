@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use kvtier_client::{Client, MatchedBlock, PoolHandle};
+use kvtier_client::{Client, LayerEvents, LoadEvent, MatchedBlock, PoolHandle};
 use kvtier_core::{BlockKey, Dtype, KvGeometry, Tier};
 use kvtier_proto::proto;
 use kvtier_transfer::CpuDevicePool;
@@ -106,6 +106,34 @@ async fn store_match_load_round_trip_bit_exact() {
     assert_eq!(out.done.loaded_blocks, 10);
     assert_eq!(out.done.missing, keys[10..].to_vec(), "never silently skipped");
     e.check(&keys[..10], 20);
+    // Fewer layer events when asked: every 2nd layer (here: the last), or none at all.
+    for (events, expect) in [(LayerEvents::Every(2), vec![1]), (LayerEvents::DoneOnly, vec![])] {
+        let slots = Engine::slots(&keys[..10], 40);
+        let zeros = vec![0u8; geometry().bytes_per_block_layer()];
+        for &(_, slot) in &slots {
+            for layer in 0..geometry().layers() {
+                e.pool.write_slot_layer(slot, layer, &zeros).unwrap();
+            }
+        }
+        let mut stream = e
+            .client
+            .load_with(&e.handle, "", &slots, None, events)
+            .await
+            .unwrap();
+        let mut layers = Vec::new();
+        loop {
+            match stream.next().await.unwrap().expect("a final report") {
+                LoadEvent::LayerReady { layer } => layers.push(layer),
+                LoadEvent::Missing { keys } => panic!("{} missing", keys.len()),
+                LoadEvent::Done(d) => {
+                    assert_eq!(d.loaded_blocks, 10);
+                    break;
+                }
+            }
+        }
+        assert_eq!(layers, expect, "{events:?}");
+        e.check(&keys[..10], 40);
+    }
     // Device residency shows in Match.
     let resident: Vec<(BlockKey, Option<u32>)> = keys[..3]
         .iter()

@@ -38,7 +38,7 @@ pub use kvtier_core::Tier;
 /// client returns as they come.
 pub use kvtier_proto::proto;
 pub use kvtier_proto::proto::PinResponse;
-pub use kvtier_proto::{LoadDone, LoadEvent, MatchReply, MatchedBlock, StoreReply, WireTiming};
+pub use kvtier_proto::{LayerEvents, LoadDone, LoadEvent, MatchReply, MatchedBlock, StoreReply, WireTiming};
 
 /// A connection and a session with the kvtier sidecar. Clones share the connection and the
 /// session (for concurrent calls); the session ends when the last clone is dropped.
@@ -246,6 +246,29 @@ impl Client {
         blocks: &[(BlockKey, u32)],
         deadline: Option<Duration>,
     ) -> Result<LoadStream, ClientError> {
+        self.load_with(pool, salt, blocks, deadline, LayerEvents::EVERY)
+            .await
+    }
+
+    /// [`Client::load`] with the layer events the caller wants: every layer, every `n` layers
+    /// (and the last), or none ([`LayerEvents::DoneOnly`]: the missing blocks and the final
+    /// report only). Each [`LoadEvent::LayerReady`] still means "layers `0..=layer` are in
+    /// their slots".
+    ///
+    /// # Errors
+    /// As [`Client::load`].
+    ///
+    /// # Cancel safety
+    /// As [`Client::load`].
+    pub async fn load_with(
+        &mut self,
+        pool: &PoolHandle,
+        salt: &str,
+        blocks: &[(BlockKey, u32)],
+        deadline: Option<Duration>,
+        layer_events: LayerEvents,
+    ) -> Result<LoadStream, ClientError> {
+        let (layer_event_stride, done_only) = layer_events.to_proto();
         let events = self
             .rpc
             .load(proto::LoadRequest {
@@ -255,6 +278,8 @@ impl Client {
                 keys: pack_keys(&blocks.iter().map(|b| b.0).collect::<Vec<_>>()),
                 slots: blocks.iter().map(|b| b.1).collect(),
                 deadline_ms: deadline.map_or(0, |d| d.as_millis().max(1) as u64),
+                layer_event_stride,
+                done_only,
             })
             .await?
             .into_inner();

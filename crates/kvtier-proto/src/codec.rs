@@ -166,6 +166,8 @@ mod tests {
             keys: vec![0xff; blocks * 16].into(),
             slots: vec![u32::MAX; blocks],
             deadline_ms: u64::MAX,
+            layer_event_stride: u32::MAX,
+            done_only: true,
         };
         let reply = proto::MatchResponse {
             tiers: vec![3; blocks],

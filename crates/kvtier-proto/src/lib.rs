@@ -26,7 +26,7 @@ pub mod wire;
 pub use endpoint::default_socket_path;
 pub use error::ProtoError;
 pub use geometry::geometry_from_proto;
-pub use load_event::{LoadDone, LoadEvent};
+pub use load_event::{LayerEvents, LoadDone, LoadEvent};
 pub use tier::{MatchReply, MatchedBlock, StoreReply, tier_filter_from_proto, tier_from_proto};
 pub use timing::WireTiming;
 

@@ -6,6 +6,54 @@ use crate::proto::{self, load_event::Event};
 use crate::wire::{pack_keys, unpack_keys};
 use crate::{ProtoError, WireTiming};
 
+/// Which `LayerReady` events a load streams (`LoadRequest.layer_event_stride` / `done_only`).
+/// Each one means "layers `0..=layer` are in their slots", so fewer events lose only
+/// granularity: a one-block load of a 48-layer model is 49 messages at [`LayerEvents::EVERY`],
+/// 2 at [`LayerEvents::DoneOnly`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerEvents {
+    /// After layers `n-1`, `2n-1`, … and always after the last (`n` of 0 counts as 1).
+    Every(u32),
+    /// None: `BlocksMissing` (if any) and `LoadDone` only.
+    DoneOnly,
+}
+
+impl LayerEvents {
+    /// One event per layer: the default.
+    pub const EVERY: LayerEvents = LayerEvents::Every(1);
+
+    /// From the request's two fields.
+    pub fn from_proto(layer_event_stride: u32, done_only: bool) -> Self {
+        if done_only {
+            LayerEvents::DoneOnly
+        } else {
+            LayerEvents::Every(layer_event_stride.max(1))
+        }
+    }
+
+    /// The request's `(layer_event_stride, done_only)`.
+    pub fn to_proto(self) -> (u32, bool) {
+        match self {
+            LayerEvents::Every(n) => (n.max(1), false),
+            LayerEvents::DoneOnly => (0, true),
+        }
+    }
+
+    /// Whether the event for `layer` (of `layers`) is sent.
+    pub fn wants(self, layer: u32, layers: u32) -> bool {
+        match self {
+            LayerEvents::Every(n) => (layer + 1).is_multiple_of(n.max(1)) || layer + 1 == layers,
+            LayerEvents::DoneOnly => false,
+        }
+    }
+}
+
+impl Default for LayerEvents {
+    fn default() -> Self {
+        LayerEvents::EVERY
+    }
+}
+
 /// One event of a load's stream, in the order the sidecar sends them: blocks found in no tier
 /// (at once, so the engine can start recomputing them), one `LayerReady` per layer, and last
 /// `Done`.
@@ -114,6 +162,22 @@ impl From<LoadEvent> for proto::LoadEvent {
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
+
+    #[test]
+    fn layer_events_every_n_always_end_with_the_last_layer() {
+        let sent =
+            |e: LayerEvents, layers: u32| (0..layers).filter(|&l| e.wants(l, layers)).collect::<Vec<_>>();
+        assert_eq!(sent(LayerEvents::EVERY, 4), vec![0, 1, 2, 3]);
+        assert_eq!(sent(LayerEvents::Every(0), 3), vec![0, 1, 2], "0 counts as 1");
+        assert_eq!(sent(LayerEvents::Every(4), 10), vec![3, 7, 9]);
+        assert_eq!(sent(LayerEvents::Every(4), 48).len(), 12);
+        assert_eq!(sent(LayerEvents::Every(100), 48), vec![47]);
+        assert!(sent(LayerEvents::DoneOnly, 48).is_empty());
+        for e in [LayerEvents::EVERY, LayerEvents::Every(6), LayerEvents::DoneOnly] {
+            let (stride, done_only) = e.to_proto();
+            assert_eq!(LayerEvents::from_proto(stride, done_only), e);
+        }
+    }
 
     use super::*;
 

@@ -13,7 +13,8 @@ use kvtier_core::{BlockHasher, BlockKey, Tier};
 use kvtier_proto::proto::{self, kv_tier_server::KvTier};
 use kvtier_proto::wire::{pack_keys, unpack_key, unpack_keys, unpack_one_key};
 use kvtier_proto::{
-    LoadDone, MatchReply, MatchedBlock, StoreReply, WireTiming, geometry_from_proto, tier_filter_from_proto,
+    LayerEvents, LoadDone, MatchReply, MatchedBlock, StoreReply, WireTiming, geometry_from_proto,
+    tier_filter_from_proto,
 };
 use kvtier_transfer::{
     CpuDevicePool, DevicePool, Durability, EventSink, InflightBlocks, LoadBlock, LoadEvent, LoadHandle,
@@ -409,7 +410,15 @@ impl KvTier for KvTierService {
                 .collect();
             let deadline = (r.deadline_ms > 0).then(|| arrived + Duration::from_millis(r.deadline_ms));
             let (tx, rx) = mpsc::unbounded_channel();
+            // Layer events the caller did not ask for are dropped here, before the channel.
+            let wanted = LayerEvents::from_proto(r.layer_event_stride, r.done_only);
+            let layers = self.state.geometry.layers();
             let sink = EventSink::new(move |e| {
+                if let LoadEvent::LayerReady { layer } = e
+                    && !wanted.wants(layer, layers)
+                {
+                    return;
+                }
                 let _ = tx.send(e);
             });
             let state = &self.state;
