@@ -339,14 +339,20 @@ mod tests {
     #[test]
     fn the_documented_sample_header_is_what_kvtier_writes() {
         let g = KvGeometry::new(48, 4, 128, Dtype::Bf16, 64).unwrap();
-        let hex: Vec<String> = encode_header(&g, 1024).iter().map(|b| format!("{b:02x}")).collect();
+        let hex: Vec<String> = encode_header(&g, 1024)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
         let sample = hex.join(" ");
         assert_eq!(
             sample,
             "4b 56 54 50 4f 4f 4c 00 01 00 00 00 00 10 00 00 30 00 00 00 04 00 00 00 80 00 00 00 03 00 00 00 40 00 00 00 00 04 00 00"
         );
         let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/api.md")).unwrap();
-        assert!(doc.contains(&sample), "docs/api.md's sample header is out of date");
+        assert!(
+            doc.contains(&sample),
+            "docs/api.md's sample header is out of date"
+        );
         assert_eq!(CpuDevicePool::file_bytes(&g, 1024), 6_442_455_040);
         assert_eq!(decode_header(&encode_header(&g, 1024)), Ok((g, 1024)));
     }
