@@ -92,10 +92,15 @@ impl Default for OffloadConfig {
 pub struct DiskFigures {
     /// `o_direct`, or `buffered` (page cache written back and dropped before every batch).
     pub io: &'static str,
-    /// Sequential reads of one block at a time on the same directory, GiB/s.
+    /// Reads of one block per request on the same directory, the better of queue depth 1 and
+    /// the tier's depth (its disk read threads), GiB/s.
     pub read_baseline_gib_s: f64,
-    /// Sequential writes of one block at a time on the same directory, GiB/s.
+    /// Writes likewise (the tier's disk write threads), GiB/s.
     pub write_baseline_gib_s: f64,
+    /// The depth the read baseline's last pass was best at.
+    pub read_baseline_depth: usize,
+    /// The depth the write baseline's last pass was best at.
+    pub write_baseline_depth: usize,
     /// A batch's bytes read from disk / (its first disk read started → its last finished),
     /// GiB/s.
     pub load_gib_s: Summary,
@@ -162,6 +167,10 @@ impl OffloadReport {
             lines.push(format!("disk_io={}", d.io));
             lines.push(format!("disk_read_baseline_gib_s={:.2}", d.read_baseline_gib_s));
             lines.push(format!("disk_write_baseline_gib_s={:.2}", d.write_baseline_gib_s));
+            lines.push(format!(
+                "disk_baseline_queue_depth read={} write={}",
+                d.read_baseline_depth, d.write_baseline_depth
+            ));
             lines.push(d.load_gib_s.line("disk_load_gib_s", 2));
             lines.push(d.store_gib_s.line("disk_store_gib_s", 2));
             lines.push(format!("disk_load_ratio={:.3}", d.load_ratio));
@@ -215,9 +224,14 @@ pub fn run_offload(
             geometry.bytes_per_block(),
             batch_bytes,
             d.direct_io(),
+            (
+                config.transfer.disk_read_threads,
+                config.transfer.disk_write_threads,
+            ),
         )?),
         _ => None,
     };
+    let mut disk_depths = (1, 1);
     // Disk baselines run a few times spread over the measured batches (each moves a whole
     // batch's bytes twice).
     let disk_every = config.rounds.div_ceil(3).max(1);
@@ -237,8 +251,9 @@ pub fn run_offload(
                 && (round - config.warmup_rounds) % disk_every == 0
             {
                 let (w, r) = d.run_once()?;
-                samples.disk_write_baseline.push(w);
-                samples.disk_read_baseline.push(r);
+                samples.disk_write_baseline.push(w.gib_s);
+                samples.disk_read_baseline.push(r.gib_s);
+                disk_depths = (r.depth, w.depth);
             }
         }
         let (ok, bad) = bench.verify(&new);
@@ -246,7 +261,7 @@ pub fn run_offload(
         mismatched += bad;
         progress(round + 1, total_rounds);
     }
-    Ok(bench.report(samples, verified, mismatched, memcpy.is_some()))
+    Ok(bench.report(samples, verified, mismatched, memcpy.is_some(), disk_depths))
 }
 
 impl Bench {
@@ -429,7 +444,14 @@ impl Bench {
         (ok + ok2, bad + bad2)
     }
 
-    fn report(self, samples: Samples, verified: u64, mismatched: u64, memcpy: bool) -> OffloadReport {
+    fn report(
+        self,
+        samples: Samples,
+        verified: u64,
+        mismatched: u64,
+        memcpy: bool,
+        (read_depth, write_depth): (usize, usize),
+    ) -> OffloadReport {
         let w = &self.work;
         let seed = samples.seed_figures();
         let memcpy_baseline = memcpy.then(|| Summary::of(&samples.memcpy).mean);
@@ -446,6 +468,8 @@ impl Bench {
                     io: if d.direct_io() { "o_direct" } else { "buffered" },
                     read_baseline_gib_s: read,
                     write_baseline_gib_s: write,
+                    read_baseline_depth: read_depth,
+                    write_baseline_depth: write_depth,
                     load_ratio: if read > 0.0 { load.mean / read } else { 0.0 },
                     store_ratio: if write > 0.0 { store.mean / write } else { 0.0 },
                     load_gib_s: load,
