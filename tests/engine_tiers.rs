@@ -169,6 +169,10 @@ fn run_scenarios(preset: &str, layers: Option<usize>, block_tokens: u32, prompt_
     });
     server.0.kill().unwrap();
     server.0.wait().unwrap();
+    // /health says so before any request: the end of the session stream is seen at once.
+    wait_for("the engine to see the sidecar gone", || {
+        !engine.stats().unwrap().sidecar_connected
+    });
     // Down: the engine serves by recompute.
     engine.clear_device_cache().unwrap();
     let (t, u) = run(&p1);
@@ -182,6 +186,10 @@ fn run_scenarios(preset: &str, layers: Option<usize>, block_tokens: u32, prompt_
     // Restart: host memory is gone, the disk recovered. Then corrupt the second half of
     // prompt 2's blocks under the running sidecar (its index still lists them).
     let _server = sidecar(&socket, &disk, g);
+    // An idle engine reconnects by itself (within its retry interval, 100 ms here).
+    wait_for("the idle engine to reconnect", || {
+        engine.stats().unwrap().sidecar_connected
+    });
     let ns = Namespace::new(model.name.clone(), g, 0, 1, "")
         .unwrap()
         .fingerprint();
@@ -191,7 +199,6 @@ fn run_scenarios(preset: &str, layers: Option<usize>, block_tokens: u32, prompt_
         "found prompt 2's entries on disk"
     );
     engine.clear_device_cache().unwrap();
-    // The engine reconnects at its next admission (retry every 100 ms).
     let start = Instant::now();
     let (t, u) = loop {
         let (t, u) = run(&p1);

@@ -48,6 +48,7 @@ pub struct Client {
     session_id: u64,
     geometry: KvGeometry,
     _session: Arc<session::SessionTask>,
+    session_open: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Client {
@@ -86,12 +87,20 @@ impl Client {
             session_id: session.id,
             geometry: session.geometry,
             _session: Arc::new(session.task),
+            session_open: session.open,
         })
     }
 
     /// The session id.
     pub fn session_id(&self) -> u64 {
         self.session_id
+    }
+
+    /// Whether the session is still open: `false` once its stream ended (the sidecar stopped,
+    /// restarted, or the connection broke). The session's pools and pins are gone then;
+    /// connect again. Cost: one atomic load.
+    pub fn session_open(&self) -> bool {
+        self.session_open.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// The geometry the sidecar serves.

@@ -1,6 +1,9 @@
 //! The session with the sidecar: opened on connect, kept open by a task that reads its
 //! heartbeats, ended (the sidecar releases the session's pins and pools) when the task stops.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use kvtier_core::KvGeometry;
 use kvtier_proto::geometry_from_proto;
 use kvtier_proto::proto;
@@ -24,6 +27,8 @@ pub(crate) struct Session {
     pub(crate) id: u64,
     pub(crate) geometry: KvGeometry,
     pub(crate) task: SessionTask,
+    /// Cleared when the session stream ends (the sidecar stopped, restarted or dropped it).
+    pub(crate) open: Arc<AtomicBool>,
 }
 
 /// Opens a session on `rpc` and spawns the task that keeps it open.
@@ -50,13 +55,17 @@ pub(crate) async fn open(rpc: &mut Stub, client_name: &str) -> Result<Session, C
     };
     let geometry = geometry_from_proto(opened.geometry.as_ref())?;
     // Keep the session stream open (heartbeats) for the client's lifetime.
+    let open = Arc::new(AtomicBool::new(true));
+    let flag = Arc::clone(&open);
     let task = tokio::spawn(async move {
         while let Ok(Some(_)) = events.message().await {}
+        flag.store(false, Ordering::Release);
         tracing::debug!("kvtier session stream ended");
     });
     Ok(Session {
         id: opened.session_id,
         geometry,
         task: SessionTask(task),
+        open,
     })
 }

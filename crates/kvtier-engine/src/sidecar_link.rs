@@ -3,8 +3,9 @@
 //! engine thread without waiting on the network except `Match`; loads and stores run as tasks
 //! on a small runtime of the link's own and report back through shared state and channels.
 //!
-//! When the sidecar is down the engine serves by recompute: a failed call drops the
-//! connection, and the next admission after `retry_ms` tries to connect again.
+//! When the sidecar is down the engine serves by recompute: a failed call or the end of the
+//! session stream drops the connection (and `/health` says so at once), and the engine tries
+//! to connect again every `retry_ms` — at its next admission, or while idle.
 
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
@@ -319,9 +320,17 @@ impl SidecarLink {
         &self.config.target
     }
 
-    /// Whether a session is open now.
+    /// Whether a session is open now: a connection whose session stream is still open and
+    /// whose calls have not failed since (what `/health` reports). Cost: two atomic loads.
     pub fn is_connected(&self) -> bool {
-        self.conn.is_some()
+        self.conn.as_ref().is_some_and(|c| c.client.session_open())
+            && !self.broken.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// How long until the next reconnection attempt is due (zero if it is due now), or `None`
+    /// while connected: an idle engine wakes then to reconnect.
+    pub fn retry_in(&self) -> Option<Duration> {
+        (!self.is_connected()).then(|| self.retry_at.saturating_duration_since(Instant::now()))
     }
 
     /// Connects (and registers the pool) if not connected and a retry is due. Returns `Some`
@@ -330,6 +339,9 @@ impl SidecarLink {
     pub fn ensure_connected(&mut self) -> Option<bool> {
         if self.broken.swap(false, std::sync::atomic::Ordering::AcqRel) {
             self.drop_conn(&"a background call failed");
+        }
+        if self.conn.as_ref().is_some_and(|c| !c.client.session_open()) {
+            self.drop_conn(&"the session stream ended (the sidecar stopped or restarted)");
         }
         if self.conn.is_some() {
             return Some(false);
