@@ -92,9 +92,19 @@ pub struct EngineArgs {
 }
 
 pub fn run(a: EngineArgs) -> Result<()> {
-    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new()
+    let mut builder = metrics_exporter_prometheus::PrometheusBuilder::new();
+    for (name, buckets) in kvtier_engine::metrics::BUCKETS {
+        builder = builder
+            .set_buckets_for_metric(
+                metrics_exporter_prometheus::Matcher::Full((*name).into()),
+                buckets,
+            )
+            .context("setting histogram buckets")?;
+    }
+    let recorder = builder
         .install_recorder()
         .context("installing the metrics recorder")?;
+    kvtier_engine::metrics::describe();
     let (engine, codec) = a.engine.start()?;
     let policy = a.engine.kv_reuse;
     let m = engine.model();

@@ -7,6 +7,9 @@ use std::process::{Child, Command, Stdio};
 
 use serde_json::Value;
 
+#[path = "common/exposition.rs"]
+mod exposition;
+
 struct Engine(Child);
 
 impl Drop for Engine {
@@ -77,6 +80,26 @@ fn the_http_api_serves_completions_generate_health_and_metrics() {
         said_recompute,
         "the engine says the sidecar is not there and it serves anyway"
     );
+
+    // Before any request: every family, with help text, in a valid exposition; and every
+    // engine metric the Grafana dashboard queries.
+    let (status, text) = http(port, "GET", "/metrics", "");
+    assert_eq!(status, 200);
+    let families = exposition::check(&text).unwrap_or_else(|e| panic!("{e:#?}\n{text}"));
+    for name in kvtier_engine::metrics::ALL {
+        assert!(
+            families.contains_key(*name),
+            "{name} missing at start-up:\n{text}"
+        );
+    }
+    let (engine_names, _) = exposition::dashboard_names();
+    assert!(engine_names.len() >= 5, "{engine_names:?}");
+    for name in &engine_names {
+        assert!(
+            exposition::exposes(&families, name),
+            "the dashboard's {name} is not on the engine's /metrics"
+        );
+    }
 
     let prompt: Vec<u32> = (0..70).map(|i| (i * 37 + 11) % 500).collect();
     let req = serde_json::json!({"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true})
@@ -159,8 +182,53 @@ fn the_http_api_serves_completions_generate_health_and_metrics() {
     );
     let (_, models) = http(port, "GET", "/v1/models", "");
     assert_eq!(json(&models)["data"][0]["id"], "tiny-moe");
-    let (_, metrics) = http(port, "GET", "/metrics", "");
-    for name in kvtier_engine::metrics::ALL {
-        assert!(metrics.contains(name), "{name} missing from /metrics:\n{metrics}");
+    let (_, text) = http(port, "GET", "/metrics", "");
+    let families = exposition::check(&text).unwrap_or_else(|e| panic!("{e:#?}\n{text}"));
+    let ttft = &families[kvtier_engine::metrics::TTFT_SECONDS];
+    assert_eq!(ttft.kind, "histogram");
+    assert!(
+        ttft.samples
+            .iter()
+            .any(|(n, _, v)| n.ends_with("_count") && *v > 0.0),
+        "TTFT observed: {ttft:?}"
+    );
+}
+
+#[test]
+fn the_exposition_checker_finds_what_promtool_finds() {
+    let good = "# HELP a_total A.\n# TYPE a_total counter\na_total{x=\"1\"} 3\n\
+                # HELP h_seconds H.\n# TYPE h_seconds histogram\n\
+                h_seconds_bucket{le=\"0.1\"} 1\nh_seconds_bucket{le=\"+Inf\"} 2\n\
+                h_seconds_sum 0.3\nh_seconds_count 2\n";
+    assert!(exposition::check(good).is_ok(), "{:?}", exposition::check(good));
+    for (bad, why) in [
+        (
+            "# HELP g_total G.\n# TYPE g_total gauge\ng_total 1\n",
+            "should not end in _total",
+        ),
+        ("# TYPE c_total counter\nc_total 1\n", "no help text"),
+        ("# HELP c C.\n# TYPE c counter\nc 1\n", "should end in _total"),
+        (
+            "# HELP a_total A.\n# TYPE a_total counter\na_total 1\n# HELP b B.\n# TYPE b gauge\nb 1\na_total{x=\"2\"} 1\n",
+            "split by another family",
+        ),
+        ("# HELP g G.\n# TYPE g gauge\ng 1\ng 2\n", "appears twice"),
+        ("# HELP g G.\n# TYPE g gauge\ng{x=1} 1\n", "not quoted"),
+        ("# HELP g G.\n# TYPE g gauge\ng one\n", "not a number"),
+        (
+            "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"1\"} 1\nh_sum 1\nh_count 1\n",
+            "no +Inf bucket",
+        ),
+        (
+            "# HELP t_milliseconds T.\n# TYPE t_milliseconds gauge\nt_milliseconds 1\n",
+            "base units",
+        ),
+        (
+            "# HELP g G.\ng 1\n# TYPE g gauge\n",
+            "TYPE for g after its samples",
+        ),
+    ] {
+        let errors = exposition::check(bad).expect_err(bad);
+        assert!(errors.iter().any(|e| e.contains(why)), "{why}: {errors:?}");
     }
 }

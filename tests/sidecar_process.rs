@@ -13,6 +13,9 @@ use kvtier_core::{Dtype, KvGeometry};
 use kvtier_transfer::CpuDevicePool;
 use kvtier_transfer::test_util::kv;
 
+#[path = "common/exposition.rs"]
+mod exposition;
+
 const ROLE: &str = "KVTIER_TEST_SIDECAR_CLIENT";
 const BLOCKS: u32 = 2048;
 
@@ -86,6 +89,14 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// The body of one scrape.
+fn scrape_body(port: u16) -> String {
+    let text = scrape(port);
+    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP answer");
+    assert!(head.contains(" 200 "), "{head}");
+    body.to_owned()
+}
+
 fn scrape(port: u16) -> String {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
@@ -138,6 +149,26 @@ fn a_client_killed_mid_load_leaks_nothing_and_metrics_match_the_dashboard() {
     }
     std::thread::spawn(move || for _ in lines {});
     let target = format!("unix://{}", socket.display());
+    // From start-up: every family, with help text, in a valid exposition (promtool's checks).
+    let text = scrape_body(metrics_port);
+    let families = exposition::check(&text).unwrap_or_else(|e| panic!("{e:#?}\n{text}"));
+    for name in kvtier_server::metric_names::ALL {
+        assert!(
+            families.contains_key(*name),
+            "{name} missing at start-up:\n{text}"
+        );
+    }
+    // Every gRPC method's error series exists before its first error.
+    assert!(
+        families[kvtier_server::metric_names::GRPC_REQUESTS]
+            .samples
+            .iter()
+            .any(
+                |(_, labels, _)| labels.contains(&("method".into(), "Load".into()))
+                    && labels.contains(&("code".into(), "NOT_FOUND".into()))
+            ),
+        "kvtier_grpc_requests_total{{method=\"Load\",code=\"NOT_FOUND\"}} at start-up"
+    );
 
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
@@ -186,37 +217,17 @@ fn a_client_killed_mid_load_leaks_nothing_and_metrics_match_the_dashboard() {
         }
     });
 
-    // Every metric the dashboard uses is exported (histograms as _bucket series).
-    let dashboard =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/grafana/kvtier.json")).unwrap();
-    let mut names: Vec<String> = dashboard
-        .match_indices("kvtier_")
-        .map(|(i, _)| {
-            dashboard[i..]
-                .chars()
-                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                .collect()
-        })
-        .collect();
-    names.sort();
-    names.dedup();
+    // Every sidecar metric the dashboard uses is exported (histograms as _bucket series), in
+    // a valid exposition after traffic too.
+    let (_, names) = exposition::dashboard_names();
     assert!(names.len() >= 15, "{names:?}");
-    let start = Instant::now();
-    loop {
-        let text = scrape(metrics_port);
-        let missing: Vec<&String> = names
-            .iter()
-            .filter(|n| !text.contains(&format!("\n{n}")))
-            .collect();
-        if missing.is_empty() {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(15),
-            "not exported: {missing:?}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let text = scrape_body(metrics_port);
+    let families = exposition::check(&text).unwrap_or_else(|e| panic!("{e:#?}\n{text}"));
+    let missing: Vec<&String> = names
+        .iter()
+        .filter(|n| !exposition::exposes(&families, n))
+        .collect();
+    assert!(missing.is_empty(), "not exported: {missing:?}");
     for name in kvtier_server::metric_names::ALL {
         assert!(name.starts_with("kvtier_"), "{name}");
     }

@@ -93,6 +93,8 @@ pub(crate) struct Scheduler {
     running: Vec<Seq>,
     stats: EngineStats,
     next_id: u64,
+    /// The (running, waiting) counts last published as gauges.
+    published_sizes: (usize, usize),
     _pool: Arc<CpuDevicePool>,
 }
 
@@ -118,6 +120,7 @@ impl Scheduler {
             running: Vec::new(),
             stats: EngineStats::default(),
             next_id: 0,
+            published_sizes: (0, 0),
             _pool: pool,
         };
         if let Some(link) = &mut scheduler.link
@@ -135,10 +138,27 @@ impl Scheduler {
     /// sequence runs.
     pub(crate) fn run(mut self, rx: &mpsc::Receiver<Command>) {
         loop {
+            let sizes = (self.running.len(), self.waiting.len());
+            if sizes != self.published_sizes {
+                crate::metrics::queue_sizes(sizes.0, sizes.1);
+                self.published_sizes = sizes;
+            }
             let cmd = if self.running.is_empty() && self.waiting.is_empty() {
-                match rx.recv() {
-                    Ok(c) => Some(c),
-                    Err(_) => return,
+                // Idle: wait for a command, waking to reconnect a lost sidecar when a retry
+                // is due (so it is back before the next request, and /health says so).
+                match self.link.as_ref().and_then(SidecarLink::retry_in) {
+                    Some(wait) => match rx.recv_timeout(wait.max(Duration::from_millis(10))) {
+                        Ok(c) => Some(c),
+                        Err(mpsc::RecvTimeoutError::Timeout) => {
+                            self.reconnect();
+                            continue;
+                        }
+                        Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                    },
+                    None => match rx.recv() {
+                        Ok(c) => Some(c),
+                        Err(_) => return,
+                    },
                 }
             } else {
                 match rx.try_recv() {
@@ -212,13 +232,12 @@ impl Scheduler {
         self.running.iter().map(|s| s.reserved).sum()
     }
 
-    /// Moves waiting requests into the running set while slots and room allow.
-    fn admit(&mut self) {
-        let bt = self.geometry.block_tokens() as usize;
+    /// Connects to the sidecar if the link is down and a retry is due; on a new session,
+    /// tells the sidecar what the device holds.
+    fn reconnect(&mut self) {
         if let Some(link) = &mut self.link
             && link.ensure_connected() == Some(true)
         {
-            // A new session: tell the sidecar what the device holds.
             let held: Vec<(BlockKey, Option<u32>)> = self
                 .cache
                 .published()
@@ -227,6 +246,12 @@ impl Scheduler {
                 .collect();
             link.device_events(held);
         }
+    }
+
+    /// Moves waiting requests into the running set while slots and room allow.
+    fn admit(&mut self) {
+        let bt = self.geometry.block_tokens() as usize;
+        self.reconnect();
         while self.running.len() < self.config.max_running {
             let Some((req, out, arrived)) = self.waiting.pop_front() else {
                 break;

@@ -80,6 +80,22 @@ pub const ALL: &[&str] = &[
     GRPC_SECONDS,
 ];
 
+/// Creates the series that events (not the periodic snapshot) update, at zero: Match
+/// lookups and hits by tier, missing blocks, transfer times by route, and every gRPC
+/// method's requests by code. A fresh sidecar's `/metrics` lists every family.
+pub fn register_event_series() {
+    use metrics::{counter, histogram};
+    counter!(MATCH_LOOKUPS).increment(0);
+    for tier in kvtier_core::Tier::ALL {
+        counter!(MATCH_HITS, "tier" => tier.name()).increment(0);
+    }
+    counter!(MISSING_BLOCKS).increment(0);
+    for route in ["device_to_host", "host_to_device"] {
+        let _ = histogram!(TRANSFER_SECONDS, "route" => route);
+    }
+    crate::service::register_request_series();
+}
+
 /// Registers help texts with the recorder.
 pub fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};

@@ -300,6 +300,9 @@ fn start_metrics(addr: SocketAddr, state: &Arc<ServerState>) -> Result<SocketAdd
             reason: e.to_string(),
         })?;
     metric_names::describe();
+    metric_names::register_event_series();
+    // The first snapshot now, so every family is there before the socket serves.
+    Snapshot::take(state).publish();
     let state = Arc::clone(state);
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));

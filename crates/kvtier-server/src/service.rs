@@ -51,6 +51,33 @@ impl KvTierService {
     }
 }
 
+/// Every method [`observed`] counts: their request series exist from start-up.
+pub(crate) const METHODS: [&str; 11] = [
+    "OpenSession",
+    "RegisterPool",
+    "UnregisterPool",
+    "Match",
+    "Load",
+    "Store",
+    "DeviceEvents",
+    "Pin",
+    "Unpin",
+    "Clear",
+    "Stats",
+];
+
+/// Creates every method's request series at zero — each code the server can answer, and the
+/// handling-time histogram — so the first error of a kind is a step `rate()` sees.
+pub(crate) fn register_request_series() {
+    for method in METHODS {
+        for code in 0..=16 {
+            let code = code_label(Code::from_i32(code));
+            counter!(m::GRPC_REQUESTS, "method" => method, "code" => code).increment(0);
+        }
+        let _ = histogram!(m::GRPC_SECONDS, "method" => method);
+    }
+}
+
 /// The canonical gRPC name of a code, for the `code` label.
 fn code_label(code: Code) -> &'static str {
     match code {
@@ -801,4 +828,26 @@ fn not_durable(
         .copied()
         .collect();
     blocks.iter().map(|b| b.key).filter(|k| bad.contains(k)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::METHODS;
+
+    #[test]
+    fn every_observed_method_has_its_series_created_at_start() {
+        let source = include_str!("service.rs");
+        let needle = concat!("observed", "(\"");
+        let observed: Vec<&str> = source
+            .match_indices(needle)
+            .map(|(i, _)| {
+                let rest = &source[i + needle.len()..];
+                &rest[..rest.find('"').unwrap()]
+            })
+            .collect();
+        assert_eq!(observed.len(), METHODS.len(), "{observed:?}");
+        for method in observed {
+            assert!(METHODS.contains(&method), "{method} is not in METHODS");
+        }
+    }
 }
