@@ -131,7 +131,9 @@ fn a_client_that_shrinks_or_replaces_its_pool_file_fails_alone() {
         if let Err(e) = in_flight {
             unusable(Err::<(), _>(e), "");
         }
-        unusable(shrunk.load(128).await, "shrank to 4096");
+        // "shrank to 4096" when the size check sees it first, "shrank under the mapping"
+        // when a copy in flight caught the bus error first: both name the cause.
+        unusable(shrunk.load(128).await, "shrank");
         let name = shrunk.name.clone();
         let run = shrunk.slots(0);
         unusable(
