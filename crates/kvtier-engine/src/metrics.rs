@@ -2,6 +2,7 @@
 //! the names). Rates come from the counters: prefill tok/s =
 //! `rate(kvtier_engine_prefill_tokens_total) / rate(kvtier_engine_prefill_pass_seconds_sum)`.
 
+use kvtier_core::Tier;
 use metrics::{counter, gauge, histogram};
 
 use crate::request::Usage;
@@ -53,9 +54,6 @@ pub const ALL: &[&str] = &[
     RUNNING,
     WAITING,
 ];
-
-/// The tiers of [`CACHED_TOKENS`].
-const TIERS: [&str; 3] = ["device", "host", "disk"];
 
 /// Histogram buckets (seconds) for a recorder: TTFT and TPOT as vLLM buckets them, forward
 /// passes from 1 ms to 30 s. Install them with
@@ -131,8 +129,8 @@ pub fn describe() {
     ] {
         counter!(name).increment(0);
     }
-    for tier in TIERS {
-        counter!(CACHED_TOKENS, "tier" => tier).increment(0);
+    for tier in Tier::ALL {
+        counter!(CACHED_TOKENS, "tier" => tier.name()).increment(0);
     }
     for name in [TTFT_SECONDS, TPOT_SECONDS, PREFILL_SECONDS, DECODE_SECONDS] {
         let _ = histogram!(name);
@@ -156,10 +154,9 @@ pub(crate) fn request_finished(u: &Usage) {
     }
     counter!(PROMPT_TOKENS).increment(u.prompt_tokens as u64);
     counter!(GENERATED_TOKENS).increment(u.completion_tokens as u64);
-    let [device, host, disk] = TIERS;
-    counter!(CACHED_TOKENS, "tier" => device).increment(u.cached.device as u64);
-    counter!(CACHED_TOKENS, "tier" => host).increment(u.cached.host as u64);
-    counter!(CACHED_TOKENS, "tier" => disk).increment(u.cached.disk as u64);
+    counter!(CACHED_TOKENS, "tier" => Tier::Device.name()).increment(u.cached.device as u64);
+    counter!(CACHED_TOKENS, "tier" => Tier::Host.name()).increment(u.cached.host as u64);
+    counter!(CACHED_TOKENS, "tier" => Tier::Disk.name()).increment(u.cached.disk as u64);
 }
 
 pub(crate) fn forward_pass(prefill_tokens: usize, decode_tokens: usize, seconds: f64) {

@@ -144,9 +144,10 @@ impl Scheduler {
                 self.published_sizes = sizes;
             }
             let cmd = if self.running.is_empty() && self.waiting.is_empty() {
-                // Idle: wait for a command, waking to reconnect a lost sidecar when a retry
-                // is due (so it is back before the next request, and /health says so).
-                match self.link.as_ref().and_then(SidecarLink::retry_in) {
+                // Idle: wait for a command, waking to look at the sidecar link (a session that
+                // ended is dropped, a lost sidecar reconnected when a retry is due) so it is
+                // back before the next request.
+                match self.link.as_ref().map(SidecarLink::check_in) {
                     Some(wait) => match rx.recv_timeout(wait.max(Duration::from_millis(10))) {
                         Ok(c) => Some(c),
                         Err(mpsc::RecvTimeoutError::Timeout) => {

@@ -5,7 +5,7 @@
 //!
 //! When the sidecar is down the engine serves by recompute: a failed call or the end of the
 //! session stream drops the connection (and `/health` says so at once), and the engine tries
-//! to connect again every `retry_ms` — at its next admission, or while idle.
+//! to connect again every `retry_ms`, at its next admission or while idle.
 
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
@@ -327,10 +327,15 @@ impl SidecarLink {
             && !self.broken.load(std::sync::atomic::Ordering::Acquire)
     }
 
-    /// How long until the next reconnection attempt is due (zero if it is due now), or `None`
-    /// while connected: an idle engine wakes then to reconnect.
-    pub fn retry_in(&self) -> Option<Duration> {
-        (!self.is_connected()).then(|| self.retry_at.saturating_duration_since(Instant::now()))
+    /// How long an idle engine may wait before it looks at the link again: until the next
+    /// reconnection attempt is due while down (zero if due now), one retry interval while up
+    /// (a session that ends while idle is then noticed, and replaced, within two intervals).
+    pub fn check_in(&self) -> Duration {
+        if self.is_connected() {
+            self.config.retry
+        } else {
+            self.retry_at.saturating_duration_since(Instant::now())
+        }
     }
 
     /// Connects (and registers the pool) if not connected and a retry is due. Returns `Some`

@@ -90,8 +90,12 @@ pub fn register_event_series() {
         counter!(MATCH_HITS, "tier" => tier.name()).increment(0);
     }
     counter!(MISSING_BLOCKS).increment(0);
-    for route in ["device_to_host", "host_to_device"] {
-        let _ = histogram!(TRANSFER_SECONDS, "route" => route);
+    // The routes whose transfers the handlers time.
+    for route in [
+        kvtier_transfer::Route::DeviceToHost,
+        kvtier_transfer::Route::HostToDevice,
+    ] {
+        let _ = histogram!(TRANSFER_SECONDS, "route" => route.name());
     }
     crate::service::register_request_series();
 }

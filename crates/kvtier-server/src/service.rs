@@ -18,7 +18,7 @@ use kvtier_proto::{
 };
 use kvtier_transfer::{
     CpuDevicePool, DevicePool, Durability, EventSink, InflightBlocks, LoadBlock, LoadEvent, LoadHandle,
-    PersistReport, StoreBlock, StoreEvent, StoreReport, TransferError, TransferTiming,
+    PersistReport, Route, StoreBlock, StoreEvent, StoreReport, TransferError, TransferTiming,
 };
 use metrics::{counter, histogram};
 use tokio::sync::mpsc;
@@ -550,7 +550,7 @@ impl KvTier for KvTierService {
             )?;
             let report = copied_rx.await.unwrap_or(Err(TransferError::ShutDown))?;
             handle.disarm();
-            histogram!(m::TRANSFER_SECONDS, "route" => "device_to_host")
+            histogram!(m::TRANSFER_SECONDS, "route" => Route::DeviceToHost.name())
                 .record(report.timing.span().as_secs_f64());
             let mut reply = StoreReply {
                 stored_blocks: report.stored_blocks as u32,
@@ -791,7 +791,7 @@ impl Stream for LoadEvents {
                 this.done = true;
                 this.handle.disarm();
                 r.map(|r| {
-                    histogram!(m::TRANSFER_SECONDS, "route" => "host_to_device")
+                    histogram!(m::TRANSFER_SECONDS, "route" => Route::HostToDevice.name())
                         .record(r.timing.span().as_secs_f64());
                     counter!(m::MISSING_BLOCKS).increment(r.missing.len() as u64);
                     kvtier_proto::LoadEvent::Done(LoadDone {
