@@ -9,7 +9,7 @@ use kvtier_core::Dtype;
 use kvtier_engine::http::{AppState, router};
 use kvtier_engine::{Engine, EngineConfig, KvReuse, TextCodec, load_model};
 
-use crate::flags::BlockTokensFlag;
+use crate::flags::{BlockTokensFlag, ConnectFlags};
 
 /// Flags shared by everything that starts an engine.
 #[derive(Debug, Args, Clone)]
@@ -28,10 +28,13 @@ pub struct EngineFlags {
     /// kvtier host and disk through the sidecar), kvtier (kvtier's tiers only).
     #[arg(long, default_value = "tiered")]
     pub kv_reuse: KvReuse,
-    /// The kvtier sidecar: unix:///path/to/kvtier.sock or http://host:port (default with
-    /// --kv-reuse tiered: the socket `kvtier serve` uses by default).
+    /// The kvtier sidecar: unix:///path/to/kvtier.sock, http://host:port or
+    /// https://host:port [default with --kv-reuse tiered or kvtier: the socket `kvtier serve`
+    /// uses by default]
     #[arg(long)]
     pub sidecar: Option<String>,
+    #[command(flatten)]
+    pub connect: ConnectFlags,
     /// KV dtype in the device pool: bf16, f16 or f32.
     #[arg(long, default_value = "bf16")]
     pub kv_dtype: Dtype,
@@ -53,23 +56,30 @@ pub struct EngineFlags {
 
 impl EngineFlags {
     /// The engine configuration these flags give.
-    pub fn config(&self) -> EngineConfig {
-        EngineConfig {
+    ///
+    /// # Errors
+    /// An unreadable token file.
+    pub fn config(&self) -> Result<EngineConfig> {
+        let sidecar = match self.sidecar.clone().or_else(|| {
+            self.kv_reuse
+                .uses_kvtier()
+                .then(|| format!("unix://{}", kvtier_proto::default_socket_path().display()))
+        }) {
+            Some(target) => Some(self.connect.options(&target)?),
+            None => None,
+        };
+        Ok(EngineConfig {
             seed: self.seed,
             kv_dtype: self.kv_dtype,
             block_tokens: self.block.block_tokens,
             device_slots: self.device_slots,
             pool_path: self.pool_path.clone(),
             kv_reuse: self.kv_reuse,
-            sidecar: self.sidecar.clone().or_else(|| {
-                self.kv_reuse
-                    .uses_kvtier()
-                    .then(|| format!("unix://{}", kvtier_proto::default_socket_path().display()))
-            }),
+            sidecar,
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,
             ..EngineConfig::default()
-        }
+        })
     }
 
     /// Loads the model and starts the engine; returns it with the model's text codec.
@@ -77,7 +87,7 @@ impl EngineFlags {
         let (model, weights, dir) = load_model(&self.model, self.layers, self.seed)
             .with_context(|| format!("loading model {}", self.model))?;
         let codec = TextCodec::for_model_dir(dir.as_deref())?;
-        let engine = Engine::start(model, weights, self.config()).context("starting the engine")?;
+        let engine = Engine::start(model, weights, self.config()?).context("starting the engine")?;
         Ok((engine, codec))
     }
 }
@@ -184,9 +194,11 @@ pub struct EngineBenchArgs {
     /// Chunked-prefill budget (tokens per forward pass).
     #[arg(long, default_value_t = 512)]
     pub max_batch_tokens: usize,
-    /// The sidecar: `in-process` (default), `spawn`, or a URL.
+    /// The sidecar: `in-process` (default), `spawn`, or the URL of a running one.
     #[arg(long, default_value = "in-process")]
     pub sidecar: String,
+    #[command(flatten)]
+    pub connect: ConnectFlags,
     /// The sidecar's host tier (when the benchmark starts it).
     #[arg(long, default_value = "2GiB")]
     pub host_capacity: kvtier_core::ByteSize,
@@ -207,11 +219,11 @@ pub fn bench(a: EngineBenchArgs) -> Result<()> {
         decode_batches: a.decode_batch,
         block_tokens: a.block.block_tokens,
         max_batch_tokens: a.max_batch_tokens,
-        sidecar: kvtier_bench::SidecarTarget::parse(&a.sidecar),
+        sidecar: kvtier_bench::SidecarTarget::parse_with(&a.sidecar, &a.connect.options(&a.sidecar)?),
         host_capacity: a.host_capacity,
     };
     eprintln!(
-        "kvtier bench engine: model {}{} | prompt {} tokens, hit {:.0}%, {} rounds, decode {} tokens at batch {:?}, sidecar {:?}",
+        "kvtier bench engine: model {}{} | prompt {} tokens, hit {:.0}%, {} rounds, decode {} tokens at batch {:?}, sidecar {}",
         config.model,
         config
             .layers

@@ -6,20 +6,21 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvtier_bench::{
     MatchBenchConfig, OffloadConfig, ProgressBar, RecoveryConfig, SidecarTarget, run_match, run_offload,
     run_offload_sidecar, run_recovery,
 };
-use kvtier_core::{BlockHasher, ByteSize, Namespace, Tier};
+use kvtier_core::{BlockHasher, ByteSize, KvGeometry, Namespace, Tier};
 use kvtier_server::ServerConfig;
 use kvtier_store::{DirectIo, DiskTierConfig, EvictionKind};
 use kvtier_transfer::TransferConfig;
 
 mod engine_cmd;
 mod flags;
+mod sd_notify;
 
-use flags::GeometryArgs;
+use flags::{ConnectFlags, GeometryArgs};
 
 /// kvtier keeps the KV cache of prompt prefixes an LLM engine has already computed, in device
 /// memory, host memory and on disk, and moves it between tiers with full-duplex load/store
@@ -60,9 +61,15 @@ enum Command {
 
 #[derive(Debug, Args)]
 struct HealthArgs {
-    /// The sidecar: unix:///path/to/kvtier.sock or http://host:port (default: the default
-    /// socket).
+    /// The sidecar: unix:///path/to/kvtier.sock, http://host:port or https://host:port
+    /// [default: the socket `kvtier serve` uses by default]
+    #[arg(long)]
+    sidecar: Option<String>,
+    /// The same as --sidecar (the form probes written before it use).
+    #[arg(value_name = "SIDECAR", conflicts_with = "sidecar", hide = true)]
     target: Option<String>,
+    #[command(flatten)]
+    connect: ConnectFlags,
 }
 
 #[derive(Debug, Args)]
@@ -85,8 +92,13 @@ struct ServeArgs {
     /// Disk tier directory (sets disk.dir; enables the disk tier).
     #[arg(long)]
     disk_dir: Option<PathBuf>,
-    /// Any setting as key.path=value (repeatable), e.g. --set model.layers=1. The flags above
-    /// win over it for the settings they name.
+    /// File holding the bearer token TCP clients must send (sets server.auth_token_file; the
+    /// token may also come from KVTIER_SERVER__AUTH_TOKEN, never from a flag value, which
+    /// other users see in `ps`).
+    #[arg(long, value_name = "FILE")]
+    auth_token_file: Option<PathBuf>,
+    /// Any setting as key.path=value (repeatable), e.g. --set model.layers=1 (docs/api.md
+    /// lists every key). A key that one of the flags above also sets is an error: give one.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
     /// Print the effective configuration as TOML and exit.
@@ -101,8 +113,9 @@ enum BenchCommand {
     /// seed's lines (load_span_ms … batch_duplex_bw_gib_s), a plain-memcpy baseline from the
     /// same run, the ratio to it, and a bit-exact check of every block moved.
     Offload(OffloadArgs),
-    /// Match latency (p50/p99) and Match calls per second over the sidecar's Unix socket, at
-    /// several concurrencies.
+    /// Match latency (p50/p99) and Match calls per second through gRPC, at several
+    /// concurrencies: against a sidecar in this process by default (over a Unix socket), a
+    /// spawned `kvtier serve`, or a running sidecar (--sidecar URL).
     Match(MatchArgs),
     /// The reference engine: prefill and decode tokens/s, and time to first token of a long
     /// prompt with a cached prefix, recomputed vs loaded from kvtier's host tier vs still in the
@@ -196,9 +209,13 @@ struct OffloadArgs {
     /// Run the workload through a gRPC sidecar instead, as an engine process would, and also
     /// in-process in the same run, and print both and their ratio: `spawn` (start `kvtier
     /// serve` as a child with matching settings), `in-process`, or the URL of a running
-    /// sidecar (unix:///path, http://host:port) whose geometry matches.
+    /// sidecar (unix:///path, http://host:port, https://host:port), whose geometry is used
+    /// unless flags say otherwise. Each run uses a namespace of its own and clears it at the
+    /// end, so runs against one long-running sidecar repeat.
     #[arg(long)]
     sidecar: Option<String>,
+    #[command(flatten)]
+    connect: ConnectFlags,
     /// Print one JSON object with the configuration and every figure instead of the lines.
     #[arg(long)]
     json: bool,
@@ -208,9 +225,13 @@ struct OffloadArgs {
 struct MatchArgs {
     #[command(flatten)]
     geometry: GeometryArgs,
-    /// The sidecar: `in-process` (default), `spawn`, or a URL (unix:///path, http://host:port).
+    /// The sidecar: `in-process` (one on its own threads in this process, over a Unix socket),
+    /// `spawn` (a `kvtier serve` child), or the URL of a running one (unix:///path,
+    /// http://host:port, https://host:port; its geometry is used unless flags say otherwise).
     #[arg(long, default_value = "in-process")]
     sidecar: String,
+    #[command(flatten)]
+    connect: ConnectFlags,
     /// Concurrency levels (clients, each with its own connection and session).
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     clients: Vec<usize>,
@@ -230,6 +251,8 @@ struct KeysArgs {
     /// Model id (whatever changes when the KV would change).
     #[arg(long)]
     model_id: String,
+    /// The geometry is part of the namespace; left out, it is `kvtier serve`'s default (48
+    /// layers), so keys match a sidecar run with defaults.
     #[command(flatten)]
     geometry: GeometryArgs,
     /// Tensor-parallel rank.
@@ -247,7 +270,8 @@ struct KeysArgs {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = serve_help_defaults(Cli::command()).get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     init_logging(&cli.log);
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -256,6 +280,38 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `serve`'s flags have no clap defaults (a flag left out must not override the file or the
+/// environment), so their help shows the built-in defaults, taken from [`ServerConfig`].
+fn serve_help_defaults(cli: clap::Command) -> clap::Command {
+    let d = ServerConfig::default();
+    let defaults = [
+        (
+            "socket",
+            format!(
+                "$XDG_RUNTIME_DIR/kvtier.sock, else /tmp/kvtier-<uid>.sock; here {}",
+                d.server.socket.display()
+            ),
+        ),
+        ("tcp", "off".to_owned()),
+        (
+            "metrics",
+            d.server.metrics.map_or("off".to_owned(), |m| m.to_string()),
+        ),
+        ("host_capacity", d.host.capacity.to_string()),
+        ("disk_dir", "off (no disk tier)".to_owned()),
+        ("auth_token_file", "off".to_owned()),
+    ];
+    cli.mut_subcommand("serve", |mut serve| {
+        for (id, default) in defaults {
+            serve = serve.mut_arg(id, |a| {
+                let help = a.get_help().map(ToString::to_string).unwrap_or_default();
+                a.help(format!("{help} [default: {default}]"))
+            });
+        }
+        serve
+    })
 }
 
 fn init_logging(filter: &str) {
@@ -286,18 +342,31 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// The geometry of a benchmark against `target`: the flags given, the rest from a running
+/// sidecar's own geometry, else from the benchmarks' default.
+fn bench_geometry(flags: &GeometryArgs, target: Option<&SidecarTarget>) -> Result<KvGeometry> {
+    match target {
+        Some(SidecarTarget::Url(connect)) => flags.over(kvtier_bench::sidecar_geometry(connect)?),
+        _ => flags.geometry(),
+    }
+}
+
 fn bench_offload(a: OffloadArgs) -> Result<()> {
-    let g = &a.geometry;
+    let target = match &a.sidecar {
+        Some(s) => Some(SidecarTarget::parse_with(s, &a.connect.options(s)?)),
+        None => None,
+    };
+    let g = bench_geometry(&a.geometry, target.as_ref())?;
     let rounds = a.rounds.unwrap_or(match a.tier {
         Tier::Disk => 20,
         Tier::Device | Tier::Host => 100,
     });
     let config = OffloadConfig {
-        layers: g.layers,
-        kv_heads: g.kv_heads,
-        head_dim: g.head_dim,
-        dtype: g.dtype,
-        block_tokens: g.block.block_tokens,
+        layers: g.layers(),
+        kv_heads: g.kv_heads(),
+        head_dim: g.head_dim(),
+        dtype: g.dtype(),
+        block_tokens: g.block_tokens(),
         tokens: a.tokens,
         hit_rate: a.hit_rate,
         batch: a.batch,
@@ -319,7 +388,7 @@ fn bench_offload(a: OffloadArgs) -> Result<()> {
     eprintln!(
         "kvtier bench offload: tier {:?} | {} | {} tokens/request, hit {:.0}%, batch {}, {} rounds (+{} warm-up), threads load={} store={}",
         a.tier,
-        g.geometry()?,
+        g,
         a.tokens,
         a.hit_rate * 100.0,
         a.batch,
@@ -328,8 +397,7 @@ fn bench_offload(a: OffloadArgs) -> Result<()> {
         config.transfer.resolved_load_threads(),
         config.transfer.resolved_store_threads(),
     );
-    if let Some(target) = &a.sidecar {
-        let target = SidecarTarget::parse(target);
+    if let Some(target) = target {
         let mut bar = ProgressBar::new("offload", 2 * (rounds + a.warmup_rounds) as u64);
         let report = run_offload_sidecar(&config, &target, &mut |done, _| bar.update(done as u64));
         bar.finish();
@@ -342,15 +410,16 @@ fn bench_offload(a: OffloadArgs) -> Result<()> {
 }
 
 fn bench_match(a: MatchArgs) -> Result<()> {
+    let target = SidecarTarget::parse_with(&a.sidecar, &a.connect.options(&a.sidecar)?);
     let config = MatchBenchConfig {
-        target: SidecarTarget::parse(&a.sidecar),
+        geometry: bench_geometry(&a.geometry, Some(&target))?,
+        target,
         clients: a.clients,
         requests: a.requests,
         blocks: a.blocks,
-        geometry: a.geometry.geometry()?,
     };
     eprintln!(
-        "kvtier bench match: {} keys per call, {} calls per level, clients {:?}, sidecar {:?}",
+        "kvtier bench match: {} keys per call, {} calls per level, clients {:?}, sidecar {}",
         config.blocks, config.requests, config.clients, config.target
     );
     let mut bar = ProgressBar::new("match", config.clients.len() as u64);
@@ -410,12 +479,46 @@ fn parse_metrics(s: &str) -> Result<Metrics, String> {
     }
     s.parse()
         .map(|a| Metrics(Some(a)))
-        .map_err(|e| format!("{s:?}: {e}; give host:port or off"))
+        .map_err(|e| format!("{e}: give host:port, such as 127.0.0.1:9400 or 0.0.0.0:9400, or off"))
 }
 
 impl ServeArgs {
-    /// Assigns the typed flags over the loaded configuration (they win over files,
-    /// variables and --set).
+    /// The keys the dedicated flags given set, with the flag.
+    fn flag_keys(&self) -> Vec<(&'static str, &'static str)> {
+        [
+            (self.socket.is_some(), "--socket", "server.socket"),
+            (self.tcp.is_some(), "--tcp", "server.tcp"),
+            (self.metrics.is_some(), "--metrics", "server.metrics"),
+            (self.host_capacity.is_some(), "--host-capacity", "host.capacity"),
+            (self.disk_dir.is_some(), "--disk-dir", "disk.dir"),
+            (
+                self.auth_token_file.is_some(),
+                "--auth-token-file",
+                "server.auth_token_file",
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(given, flag, key)| given.then_some((flag, key)))
+        .collect()
+    }
+
+    /// Refuses a key given both by a dedicated flag and by --set (which of them should win
+    /// would depend on an order nobody sees).
+    fn check_conflicts(&self) -> Result<()> {
+        for (flag, key) in self.flag_keys() {
+            if let Some(o) = self
+                .set
+                .iter()
+                .find(|o| o.split_once('=').is_some_and(|(k, _)| k.trim() == key))
+            {
+                anyhow::bail!("{flag} and --set {o} both set {key}: give one");
+            }
+        }
+        Ok(())
+    }
+
+    /// Assigns the typed flags over the loaded configuration (they win over the file and the
+    /// variables; [`ServeArgs::check_conflicts`] keeps them apart from --set).
     fn apply(&self, config: &mut ServerConfig) {
         if let Some(s) = &self.socket {
             config.server.socket = s.clone();
@@ -433,10 +536,14 @@ impl ServeArgs {
             let disk = config.disk.get_or_insert_with(DiskTierConfig::default);
             disk.dir = d.clone();
         }
+        if let Some(f) = &self.auth_token_file {
+            config.server.auth_token_file = Some(f.clone());
+        }
     }
 }
 
 fn serve(a: ServeArgs) -> Result<()> {
+    a.check_conflicts()?;
     let mut config = ServerConfig::load(a.config.as_deref(), std::env::vars(), &a.set)?;
     a.apply(&mut config);
     config.validate()?;
@@ -452,7 +559,11 @@ fn serve(a: ServeArgs) -> Result<()> {
         .context("starting the async runtime")?;
     runtime.block_on(async move {
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-        let server = tokio::spawn(kvtier_server::serve(config, shutdown_signal(), Some(ready_tx)));
+        let stopping = async {
+            shutdown_signal().await;
+            sd_notify::notify("STOPPING=1");
+        };
+        let server = tokio::spawn(kvtier_server::serve(config, stopping, Some(ready_tx)));
         if let Ok(info) = ready_rx.await {
             eprintln!(
                 "kvtier: serving {} on unix://{}{}{}",
@@ -463,6 +574,7 @@ fn serve(a: ServeArgs) -> Result<()> {
                     .map(|m| format!("; metrics on http://{m}/metrics"))
                     .unwrap_or_default(),
             );
+            sd_notify::notify("READY=1");
         }
         server.await.context("the server task failed")??;
         anyhow::Ok(())
@@ -470,16 +582,18 @@ fn serve(a: ServeArgs) -> Result<()> {
 }
 
 fn health(a: HealthArgs) -> Result<()> {
-    let target = match a.target {
+    let target = match a.sidecar.or(a.target) {
         Some(t) => t,
         None => format!("unix://{}", ServerConfig::default().server.socket.display()),
     };
+    let connect = a.connect.options(&target)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     runtime.block_on(async {
-        let channel = kvtier_client::channel(&target).await?;
-        let mut client = tonic_health::pb::health_client::HealthClient::new(channel);
+        let channel = connect.channel().await?;
+        let mut client =
+            tonic_health::pb::health_client::HealthClient::with_interceptor(channel, connect.auth()?);
         let status = client
             .check(tonic_health::pb::HealthCheckRequest {
                 service: "kvtier.v1.KvTier".into(),
@@ -512,7 +626,7 @@ async fn shutdown_signal() {
 }
 
 fn keys(a: KeysArgs) -> Result<()> {
-    let geometry = a.geometry.geometry()?;
+    let geometry = a.geometry.over(ServerConfig::default().model.geometry()?)?;
     let ns = Namespace::new(a.model_id, geometry, a.tp_rank, a.tp_size, a.cache_salt)?;
     let fp = ns.fingerprint();
     let keys = BlockHasher::new(fp, geometry.block_tokens()).keys(&a.tokens);

@@ -132,3 +132,119 @@ fn keys_match_the_published_vectors() {
     assert_eq!(stdout.lines().collect::<Vec<_>>(), want);
     assert!(stderr.contains("1 trailing tokens"), "{stderr}");
 }
+
+#[test]
+fn serve_help_shows_the_defaults_and_bench_match_says_where_it_runs() {
+    let (ok, out, err) = kvtier(&["serve", "--help"]);
+    assert!(ok, "{err}");
+    let out = out.split_whitespace().collect::<Vec<_>>().join(" ");
+    for want in [
+        "[default: 4GiB]",
+        "[default: 127.0.0.1:9400]",
+        "[default: off (no disk tier)]",
+        "[default: off]",
+        "[default: $XDG_RUNTIME_DIR/kvtier.sock, else /tmp/kvtier-<uid>.sock; here",
+    ] {
+        assert!(out.contains(want), "serve --help lacks {want:?}:\n{out}");
+    }
+    let (ok, out, _) = kvtier(&["bench", "match", "--help"]);
+    let out = out.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        ok && out.contains("in-process") && out.contains("in this process"),
+        "{out}"
+    );
+    // Every client command takes the same connection flags.
+    for cmd in [
+        &["health"][..],
+        &["engine"],
+        &["bench", "match"],
+        &["bench", "offload"],
+        &["bench", "engine"],
+    ] {
+        let (ok, out, _) = kvtier(&[cmd, &["--help"]].concat());
+        for flag in ["--sidecar", "--tls-ca", "--tls-server-name", "--auth-token-file"] {
+            assert!(ok && out.contains(flag), "{cmd:?} --help lacks {flag}");
+        }
+    }
+}
+
+#[test]
+fn serve_configuration_errors_name_the_flag_key_and_form() {
+    for (args, needles) in [
+        (
+            &["serve", "--metrics", "9400"][..],
+            &["--metrics", "host:port", "off"][..],
+        ),
+        (
+            &[
+                "serve",
+                "--host-capacity",
+                "8GiB",
+                "--set",
+                "host.capacity=4GiB",
+                "--print-config",
+            ],
+            &["--host-capacity", "host.capacity", "give one"],
+        ),
+        (
+            &[
+                "serve",
+                "--set",
+                "transfer.load_inflight_limit=0",
+                "--print-config",
+            ],
+            &["transfer.load_inflight_limit", "at least"],
+        ),
+        (
+            &["serve", "--set", "host.capacity=-1", "--print-config"],
+            &["host.capacity = -1", "8GiB"],
+        ),
+        (
+            &[
+                "serve",
+                "--disk-dir",
+                "/tmp/kvtier-cli-test",
+                "--set",
+                "disk.capacity=1MiB",
+                "--print-config",
+            ],
+            &["disk.capacity = \"1MiB\"", "region"],
+        ),
+    ] {
+        let (ok, _, err) = kvtier(args);
+        assert!(!ok, "{args:?} was accepted");
+        for n in needles {
+            assert!(err.contains(n), "{args:?}: {err}");
+        }
+    }
+}
+
+#[test]
+fn print_config_prints_every_key_and_redacts_the_token() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["serve", "--disk-dir", "/var/cache/kvtier", "--print-config"])
+        .env("KVTIER_SERVER__AUTH_TOKEN", "very-secret-token-0123")
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!printed.contains("very-secret"), "{printed}");
+    assert!(printed.contains("auth_token = \"<redacted>\""), "{printed}");
+    let table: toml::Table = printed.parse().unwrap();
+    for key in kvtier_server::ServerConfig::key_paths() {
+        let mut v = Some(&toml::Value::Table(table.clone()));
+        for part in key.split('.') {
+            v = v.and_then(|v| v.as_table()).and_then(|t| t.get(part));
+        }
+        assert!(v.is_some(), "--print-config lacks {key}:\n{printed}");
+    }
+}
+
+#[test]
+fn keys_default_to_the_geometry_serve_defaults_to() {
+    let (ok, with_default, err) = kvtier(&["keys", "--model-id", "m", "--tokens", "1,2,3,4"]);
+    assert!(ok, "{err}");
+    let (ok, explicit, err) = kvtier(&["keys", "--model-id", "m", "--tokens", "1,2,3,4", "--layers", "48"]);
+    assert!(ok, "{err}");
+    assert_eq!(with_default, explicit);
+}

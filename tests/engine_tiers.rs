@@ -115,7 +115,7 @@ fn run_scenarios(preset: &str, layers: Option<usize>, block_tokens: u32, prompt_
         block_tokens,
         device_slots: 256,
         kv_reuse: KvReuse::Tiered,
-        sidecar: Some(target.clone()),
+        sidecar: Some(kvtier_client::ConnectOptions::new(target.clone())),
         max_batch_tokens: 256,
         reconnect_ms: 100,
         ..EngineConfig::default()

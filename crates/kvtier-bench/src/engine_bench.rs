@@ -302,13 +302,17 @@ fn rate(tokens: u64, seconds: f64) -> f64 {
 }
 
 /// Waits until kvtier's Match finds every key of `model` (stores are asynchronous).
-fn wait_until_stored(url: &str, model: &str, keys: &[kvtier_core::BlockKey]) -> Result<(), BenchError> {
+fn wait_until_stored(
+    url: &kvtier_client::ConnectOptions,
+    model: &str,
+    keys: &[kvtier_core::BlockKey],
+) -> Result<(), BenchError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(err)?;
     rt.block_on(async {
-        let mut c = kvtier_client::Client::connect(url, "bench-observer")
+        let mut c = kvtier_client::Client::connect_with(url, "bench-observer")
             .await
             .map_err(err)?;
         // A one-slot pool under the engine's model id: Match then looks in its namespace.

@@ -24,7 +24,7 @@ pub use recovery::{RecoveryConfig, RecoveryReport, run_recovery};
 pub use serve::{Scenario, ServeConfig, ServeReport, ServeRun, run_serve};
 pub use sidecar::{
     MatchBenchConfig, MatchBenchReport, MatchFigures, SidecarOffloadReport, SidecarTarget, run_match,
-    run_offload_sidecar,
+    run_offload_sidecar, sidecar_geometry,
 };
 pub use summary::Summary;
 pub use workload::SeedFigures;

@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_client::{Client, PoolHandle};
+use kvtier_client::{Client, ConnectOptions, PoolHandle};
 use kvtier_core::{BlockKey, ByteSize, KvGeometry, Tier};
 use kvtier_proto::wire::{pack_key, pack_keys};
 use kvtier_proto::{WireTiming, proto};
@@ -17,14 +17,15 @@ use kvtier_transfer::TransferTiming;
 use serde::Serialize;
 
 use crate::summary::Summary;
-use crate::workload::{BENCH_MODEL_ID, BatchResult, RequestResult, Samples, SeedFigures, Workload, record};
+use crate::workload::{BatchResult, RequestResult, Samples, SeedFigures, Workload, record, run_model_id};
 use crate::{BenchError, OffloadConfig, OffloadReport, run_offload};
 
 /// Which sidecar a gRPC benchmark talks to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum SidecarTarget {
-    /// A running sidecar (`unix:///path` or `http://host:port`); its geometry must match.
-    Url(String),
+    /// A running sidecar (`unix:///path`, `http://host:port` or `https://host:port`, with
+    /// TLS settings and a token when it needs them); its geometry must match.
+    Url(ConnectOptions),
     /// `kvtier serve` started by the benchmark as a child process from this executable, with
     /// the benchmark's geometry and sizes.
     Spawn(PathBuf),
@@ -34,14 +35,31 @@ pub enum SidecarTarget {
 
 impl SidecarTarget {
     /// `spawn` starts a child from the current executable, `in-process` runs one here, anything
-    /// else is a URL.
+    /// else is a URL (reached without TLS settings or a token; see
+    /// [`SidecarTarget::parse_with`]).
     pub fn parse(s: &str) -> Self {
+        Self::parse_with(s, &ConnectOptions::default())
+    }
+
+    /// [`SidecarTarget::parse`], reaching a URL with `connect`'s TLS settings and token.
+    pub fn parse_with(s: &str, connect: &ConnectOptions) -> Self {
         match s {
             "spawn" => {
                 SidecarTarget::Spawn(std::env::current_exe().unwrap_or_else(|_| PathBuf::from("kvtier")))
             }
             "in-process" => SidecarTarget::InProcess,
-            url => SidecarTarget::Url(url.to_owned()),
+            url => SidecarTarget::Url(connect.with_target(url)),
+        }
+    }
+}
+
+impl std::fmt::Display for SidecarTarget {
+    /// `in-process`, `spawn`, or the URL (never the token).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SidecarTarget::Url(c) => f.write_str(&c.target),
+            SidecarTarget::Spawn(_) => f.write_str("spawn"),
+            SidecarTarget::InProcess => f.write_str("in-process"),
         }
     }
 }
@@ -113,9 +131,12 @@ fn server_overrides(geometry: &KvGeometry, host: ByteSize, config: &OffloadConfi
     o
 }
 
-/// Starts (or names) the sidecar with `overrides` (`key.path=value`); returns its URL and a
-/// guard that stops it.
-pub(crate) fn start(target: &SidecarTarget, overrides: &[String]) -> Result<(String, Running), BenchError> {
+/// Starts (or names) the sidecar with `overrides` (`key.path=value`); returns how to reach it
+/// and a guard that stops it.
+pub(crate) fn start(
+    target: &SidecarTarget,
+    overrides: &[String],
+) -> Result<(ConnectOptions, Running), BenchError> {
     match target {
         SidecarTarget::Url(url) => Ok((url.clone(), Running::default())),
         SidecarTarget::Spawn(exe) => {
@@ -141,7 +162,7 @@ pub(crate) fn start(target: &SidecarTarget, overrides: &[String]) -> Result<(Str
             }
             std::thread::spawn(move || for _ in lines {});
             Ok((
-                format!("unix://{}", socket.display()),
+                ConnectOptions::new(format!("unix://{}", socket.display())),
                 Running {
                     child: Some(child),
                     in_process: None,
@@ -173,7 +194,7 @@ pub(crate) fn start(target: &SidecarTarget, overrides: &[String]) -> Result<(Str
                 .block_on(ready_rx)
                 .map_err(|_| rpc_err("the in-process sidecar did not start"))?;
             Ok((
-                format!("unix://{}", socket.display()),
+                ConnectOptions::new(format!("unix://{}", socket.display())),
                 Running {
                     child: None,
                     in_process: Some((runtime, stop_tx, task)),
@@ -181,6 +202,54 @@ pub(crate) fn start(target: &SidecarTarget, overrides: &[String]) -> Result<(Str
                 },
             ))
         }
+    }
+}
+
+/// The geometry a running sidecar serves (asked by opening a session and closing it), for
+/// benchmarks that take their geometry from the server they run against.
+///
+/// # Errors
+/// [`BenchError::InvalidConfig`] naming the sidecar when it cannot be reached.
+pub fn sidecar_geometry(connect: &ConnectOptions) -> Result<KvGeometry, BenchError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(rpc_err)?;
+    let client = rt
+        .block_on(Client::connect_with(connect, "kvtier-bench-geometry"))
+        .map_err(|e| rpc_err(format!("{}: {e}", connect.target)))?;
+    Ok(client.geometry())
+}
+
+/// Clears this run's namespace from the sidecar's tiers when the run ends (also on an error
+/// part-way), so runs against a long-running sidecar leave nothing behind.
+struct Cleanup<'a> {
+    rt: &'a tokio::runtime::Runtime,
+    /// A clone of the run's client (same session) and its pool; taken when cleared.
+    session: Option<(Client, PoolHandle)>,
+}
+
+impl<'a> Cleanup<'a> {
+    fn new(rt: &'a tokio::runtime::Runtime, client: &Client, pool: &PoolHandle) -> Self {
+        Self {
+            rt,
+            session: Some((client.clone(), pool.clone())),
+        }
+    }
+
+    fn run(&mut self) {
+        let Some((mut client, pool)) = self.session.take() else {
+            return;
+        };
+        if let Err(e) = self.rt.block_on(client.clear(&pool, "", false, None)) {
+            eprintln!("kvtier bench: could not clear this run's blocks from the sidecar: {e}");
+        }
+    }
+}
+
+impl Drop for Cleanup<'_> {
+    fn drop(&mut self) {
+        self.run();
     }
 }
 
@@ -278,12 +347,14 @@ pub fn run_offload_sidecar(
     }
     let total = 2 * (config.warmup_rounds + config.rounds);
     let path = pool_path("offload");
-    let mut work = Workload::new(config, Some(&path))?;
+    // A namespace of this run's own: a long-running sidecar may hold an earlier run's blocks.
+    let model_id = run_model_id();
+    let mut work = Workload::for_model(config, Some(&path), &model_id)?;
     let host = work.host_capacity()?;
     let (url, _running) = start(target, &server_overrides(&work.geometry, host, config))?;
     let rt = client_runtime()?;
     let mut client = rt
-        .block_on(Client::connect(&url, "kvtier-bench"))
+        .block_on(Client::connect_with(&url, "kvtier-bench"))
         .map_err(rpc_err)?;
     if client.geometry() != work.geometry {
         return Err(BenchError::InvalidConfig(format!(
@@ -293,8 +364,9 @@ pub fn run_offload_sidecar(
         )));
     }
     let pool = rt
-        .block_on(client.register_cpu_pool(&work.pool, BENCH_MODEL_ID, 0, 1))
+        .block_on(client.register_cpu_pool(&work.pool, &model_id, 0, 1))
         .map_err(rpc_err)?;
+    let mut cleanup = Cleanup::new(&rt, &client, &pool);
     for r in 0..config.batch {
         if work.hit == 0 {
             break;
@@ -345,6 +417,7 @@ pub fn run_offload_sidecar(
         progress(round + 1, total);
     }
     let seed: SeedFigures = samples.seed_figures();
+    cleanup.run();
     drop(client);
     drop(_running);
     let offset = config.warmup_rounds + config.rounds;
@@ -554,14 +627,16 @@ pub fn run_match(
     let host = ByteSize((config.blocks as u64 + 64) * page * 2);
     let (url, _running) = start(&config.target, &server_overrides(&g, host, &offload))?;
     let path = pool_path("match");
+    let model_id = run_model_id();
     let pool = kvtier_transfer::CpuDevicePool::create(Some(&path), g, config.blocks.max(1) as u32)?;
     let rt = client_runtime()?;
     let mut setup = rt
-        .block_on(Client::connect(&url, "match-setup"))
+        .block_on(Client::connect_with(&url, "match-setup"))
         .map_err(rpc_err)?;
     let handle = rt
-        .block_on(setup.register_cpu_pool(&pool, BENCH_MODEL_ID, 0, 1))
+        .block_on(setup.register_cpu_pool(&pool, &model_id, 0, 1))
         .map_err(rpc_err)?;
+    let mut cleanup = Cleanup::new(&rt, &setup, &handle);
     let tokens: Vec<u32> = (0..(config.blocks * g.block_tokens() as usize) as u32).collect();
     let keys = Arc::new(handle.keys("", &tokens)?);
     let run: Vec<_> = keys.iter().enumerate().map(|(i, &k)| (k, i as u32)).collect();
@@ -581,11 +656,11 @@ pub fn run_match(
         let run = rt.block_on(async {
             let mut clients = Vec::with_capacity(n);
             for c in 0..n {
-                let mut cl = Client::connect(&url, &format!("match-{c}"))
+                let mut cl = Client::connect_with(&url, &format!("match-{c}"))
                     .await
                     .map_err(rpc_err)?;
                 let h = cl
-                    .register_cpu_pool(&pool, BENCH_MODEL_ID, 0, 1)
+                    .register_cpu_pool(&pool, &model_id, 0, 1)
                     .await
                     .map_err(rpc_err)?;
                 clients.push((cl, h));
@@ -628,6 +703,7 @@ pub fn run_match(
         runs.push(run);
         progress(i + 1, config.clients.len());
     }
+    cleanup.run();
     drop(setup);
     Ok(MatchBenchReport {
         config: config.clone(),

@@ -18,6 +18,15 @@ use crate::{BenchError, OffloadConfig};
 /// The model id every benchmark namespace uses (so an external sidecar hashes the same keys).
 pub(crate) const BENCH_MODEL_ID: &str = "kvtier-bench/offload";
 
+/// A model id no other run uses (process id and start time), so a benchmark against a
+/// long-running sidecar finds none of an earlier run's blocks and can clear its own.
+pub(crate) fn run_model_id() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{BENCH_MODEL_ID}/run-{}-{nanos}", std::process::id())
+}
+
 /// One request of the batch: its cached prefix and its device slots.
 pub(crate) struct Request {
     pub prefix: Vec<BlockKey>,
@@ -51,6 +60,19 @@ impl Workload {
     /// # Errors
     /// [`BenchError::InvalidConfig`] naming a bad flag; pool errors.
     pub fn new(config: &OffloadConfig, pool_path: Option<&Path>) -> Result<Self, BenchError> {
+        Self::for_model(config, pool_path, BENCH_MODEL_ID)
+    }
+
+    /// [`Workload::new`] with keys in `model_id`'s namespace (a run of its own against a
+    /// long-running sidecar: [`run_model_id`]).
+    ///
+    /// # Errors
+    /// As [`Workload::new`].
+    pub fn for_model(
+        config: &OffloadConfig,
+        pool_path: Option<&Path>,
+        model_id: &str,
+    ) -> Result<Self, BenchError> {
         let bad = |m: String| Err(BenchError::InvalidConfig(m));
         if !(0.0..=1.0).contains(&config.hit_rate) {
             return bad(format!("--hit-rate {} must be between 0 and 1", config.hit_rate));
@@ -79,7 +101,7 @@ impl Workload {
         let slots = u32::try_from(config.batch * blocks).map_err(|_| {
             BenchError::InvalidConfig(format!("{} device slots are too many", config.batch * blocks))
         })?;
-        let ns = Namespace::single(BENCH_MODEL_ID, geometry)?.fingerprint();
+        let ns = Namespace::single(model_id, geometry)?.fingerprint();
         let pool = Arc::new(CpuDevicePool::create(pool_path, geometry, slots)?);
         let mut w = Self {
             config: config.clone(),

@@ -9,7 +9,7 @@ use kvtier_proto::proto::kv_tier_client::KvTierClient;
 use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Uri};
 use tonic::{Request, Status};
 
 use crate::ClientError;
@@ -81,9 +81,139 @@ fn address(target: &str) -> Address {
     Address::Unix(PathBuf::from(target.strip_prefix("unix:").unwrap_or(target)))
 }
 
-/// Opens a channel to `target`: a Unix socket (`unix:///path`, `unix:/path`, `unix:path` or a
-/// bare path) or TCP (`http://host:port`, `https://host:port`, `dns:host:port`,
-/// `ipv4:addr:port`, `ipv6:[addr]:port`).
+/// How to reach a sidecar: the target and, for TCP, TLS and the bearer token. Every client
+/// (the engine, the benchmarks, `kvtier health`) connects through one of these.
+#[derive(Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ConnectOptions {
+    /// `unix:///path`, `unix:/path`, a bare path, `http://host:port`, `https://host:port`,
+    /// `dns:host:port`, `ipv4:addr:port` or `ipv6:[addr]:port`.
+    pub target: String,
+    /// PEM file of the CA that signed an `https://` sidecar's certificate; `None` trusts the
+    /// system's roots.
+    pub tls_ca: Option<PathBuf>,
+    /// The name an `https://` sidecar's certificate is checked against (default: the URL's
+    /// host).
+    pub tls_server_name: Option<String>,
+    /// Bearer token sent with every call (TCP listeners off loopback require one). Never
+    /// shown by `Debug`, never serialized.
+    #[serde(skip_serializing)]
+    pub token: Option<String>,
+}
+
+impl std::fmt::Debug for ConnectOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnectOptions")
+            .field("target", &self.target)
+            .field("tls_ca", &self.tls_ca)
+            .field("tls_server_name", &self.tls_server_name)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+impl From<&str> for ConnectOptions {
+    fn from(target: &str) -> Self {
+        Self::new(target)
+    }
+}
+
+impl ConnectOptions {
+    /// Plain options for `target` (no TLS settings, no token).
+    pub fn new(target: impl Into<String>) -> Self {
+        Self {
+            target: target.into(),
+            ..Self::default()
+        }
+    }
+
+    /// These options with another target (the TLS settings and token kept).
+    pub fn with_target(&self, target: impl Into<String>) -> Self {
+        Self {
+            target: target.into(),
+            ..self.clone()
+        }
+    }
+
+    /// The interceptor that sends the token.
+    ///
+    /// # Errors
+    /// [`ClientError::Protocol`] for a token that is not ASCII.
+    pub fn auth(&self) -> Result<Auth, ClientError> {
+        Auth::bearer(self.token.as_deref())
+    }
+
+    /// Opens a channel (see [`ConnectOptions::target`] for the forms): TLS for `https://`,
+    /// with [`ConnectOptions::tls_ca`] or the system's roots.
+    ///
+    /// # Errors
+    /// [`ClientError::Connect`]; [`ClientError::Protocol`] for TLS settings on a target that
+    /// is not `https://`, or a CA file that cannot be read.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the connection attempt.
+    pub async fn channel(&self) -> Result<Channel, ClientError> {
+        let target = self.target.as_str();
+        let err = |source| ClientError::Connect {
+            target: target.to_owned(),
+            source,
+        };
+        let tls_asked = self.tls_ca.is_some() || self.tls_server_name.is_some();
+        let path = match address(target) {
+            Address::Url(url) => {
+                let mut endpoint = Endpoint::from_shared(url.clone())
+                    .map_err(err)?
+                    .connect_timeout(Duration::from_secs(5));
+                if url.starts_with("https://") {
+                    endpoint = endpoint.tls_config(self.tls()?).map_err(err)?;
+                } else if tls_asked {
+                    return Err(self.not_tls());
+                }
+                return endpoint.connect().await.map_err(err);
+            }
+            Address::Unix(path) => path,
+        };
+        if tls_asked {
+            return Err(self.not_tls());
+        }
+        // The URI is required by the API and ignored by the connector.
+        Endpoint::from_static("http://kvtier.sock")
+            .connect_timeout(Duration::from_secs(5))
+            .connect_with_connector(tower::service_fn(move |_: Uri| {
+                let path = path.clone();
+                async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+            }))
+            .await
+            .map_err(err)
+    }
+
+    fn not_tls(&self) -> ClientError {
+        ClientError::Protocol(format!(
+            "TLS settings (a CA or a server name) are for https:// sidecars, not {}",
+            self.target
+        ))
+    }
+
+    fn tls(&self) -> Result<ClientTlsConfig, ClientError> {
+        let mut tls = ClientTlsConfig::new();
+        tls = match &self.tls_ca {
+            Some(path) => {
+                let pem = std::fs::read(path).map_err(|e| {
+                    ClientError::Protocol(format!("cannot read the CA file {}: {e}", path.display()))
+                })?;
+                tls.ca_certificate(Certificate::from_pem(pem))
+            }
+            None => tls.with_native_roots(),
+        };
+        if let Some(name) = &self.tls_server_name {
+            tls = tls.domain_name(name.clone());
+        }
+        Ok(tls)
+    }
+}
+
+/// Opens a plain channel to `target` ([`ConnectOptions::channel`] without TLS settings or a
+/// token; `https://` trusts the system's roots).
 ///
 /// # Errors
 /// [`ClientError::Connect`].
@@ -91,29 +221,7 @@ fn address(target: &str) -> Address {
 /// # Cancel safety
 /// Cancel safe: dropping the future drops the connection attempt.
 pub async fn channel(target: &str) -> Result<Channel, ClientError> {
-    let err = |source| ClientError::Connect {
-        target: target.to_owned(),
-        source,
-    };
-    let path = match address(target) {
-        Address::Url(url) => {
-            return Endpoint::from_shared(url)
-                .map_err(err)?
-                .connect()
-                .await
-                .map_err(err);
-        }
-        Address::Unix(path) => path,
-    };
-    // The URI is required by the API and ignored by the connector.
-    Endpoint::from_static("http://kvtier.sock")
-        .connect_timeout(Duration::from_secs(5))
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
-        }))
-        .await
-        .map_err(err)
+    ConnectOptions::new(target).channel().await
 }
 
 #[cfg(test)]

@@ -28,7 +28,7 @@ use kvtier_proto::proto::kv_tier_client::KvTierClient;
 use kvtier_proto::wire::{pack_key, pack_keys};
 use kvtier_transfer::{CpuDevicePool, DevicePool};
 
-pub use channel::{Auth, Stub, channel};
+pub use channel::{Auth, ConnectOptions, Stub, channel};
 pub use error::ClientError;
 pub use load_stream::{LoadOutcome, LoadStream};
 pub use pool_handle::PoolHandle;
@@ -78,8 +78,22 @@ impl Client {
         client_name: &str,
         token: Option<&str>,
     ) -> Result<Self, ClientError> {
-        let auth = Auth::bearer(token)?;
-        let mut rpc = KvTierClient::with_interceptor(channel(target).await?, auth)
+        let options = ConnectOptions {
+            token: token.map(str::to_owned),
+            ..ConnectOptions::new(target)
+        };
+        Self::connect_with(&options, client_name).await
+    }
+
+    /// [`Client::connect`] with TLS settings and a token ([`ConnectOptions`]).
+    ///
+    /// # Errors
+    /// As [`Client::connect_with_token`].
+    ///
+    /// # Cancel safety
+    /// As [`Client::connect`].
+    pub async fn connect_with(options: &ConnectOptions, client_name: &str) -> Result<Self, ClientError> {
+        let mut rpc = KvTierClient::with_interceptor(options.channel().await?, options.auth()?)
             .max_decoding_message_size(kvtier_proto::codec::CLIENT_MAX_REPLY_BYTES);
         let session = session::open(&mut rpc, client_name).await?;
         Ok(Self {

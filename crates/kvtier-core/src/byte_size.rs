@@ -89,23 +89,49 @@ impl fmt::Display for ByteSize {
 }
 
 impl Serialize for ByteSize {
+    /// Exactly: `8GiB` when the size is a whole number of a binary unit, else the byte count
+    /// (so a printed configuration reads back the same).
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.to_string())
+        let b = self.0;
+        for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
+            if b >= 1 << shift && b % (1 << shift) == 0 {
+                return s.serialize_str(&format!("{}{unit}", b >> shift));
+            }
+        }
+        s.serialize_u64(b)
     }
 }
 
+/// What a size may be written as, for error messages.
+pub const BYTE_SIZE_FORM: &str = "a size such as 8GiB, 512MiB, 1.5GB or a byte count";
+
 impl<'de> Deserialize<'de> for ByteSize {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Int(u64),
-            Text(String),
+        struct Visit;
+        impl serde::de::Visitor<'_> for Visit {
+            type Value = ByteSize;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(BYTE_SIZE_FORM)
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<ByteSize, E> {
+                Ok(ByteSize(n))
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<ByteSize, E> {
+                u64::try_from(n)
+                    .map(ByteSize)
+                    .map_err(|_| E::custom(format!("a size cannot be negative ({n}); give {BYTE_SIZE_FORM}")))
+            }
+            fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<ByteSize, E> {
+                Err(E::custom(format!(
+                    "{n} is not a whole number of bytes; give {BYTE_SIZE_FORM}"
+                )))
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<ByteSize, E> {
+                s.parse()
+                    .map_err(|e| E::custom(format!("{e}; give {BYTE_SIZE_FORM}")))
+            }
         }
-        match Raw::deserialize(d)? {
-            Raw::Int(n) => Ok(ByteSize(n)),
-            Raw::Text(s) => s.parse().map_err(serde::de::Error::custom),
-        }
+        d.deserialize_any(Visit)
     }
 }
 
@@ -146,5 +172,24 @@ mod tests {
             assert!((back.0 as i128 - v as i128).abs() <= (v as i128) / 100, "{b}");
         }
         assert_eq!(ByteSize::gib(2).to_string(), "2GiB");
+    }
+
+    #[test]
+    fn serde_is_exact_and_names_the_form() {
+        for v in [0u64, 1023, 1 << 20, 3 << 29, 1_000_000_000, 5 << 40] {
+            let json = serde_json::to_string(&ByteSize(v)).unwrap();
+            assert_eq!(
+                serde_json::from_str::<ByteSize>(&json).unwrap(),
+                ByteSize(v),
+                "{json}"
+            );
+        }
+        assert_eq!(serde_json::to_string(&ByteSize::gib(8)).unwrap(), "\"8GiB\"");
+        for bad in ["-1", "1.5", "\"lots\"", "true"] {
+            let e = serde_json::from_str::<ByteSize>(bad).unwrap_err().to_string();
+            assert!(e.contains("8GiB"), "{bad}: {e}");
+        }
+        let e = serde_json::from_str::<ByteSize>("-1").unwrap_err().to_string();
+        assert!(e.contains("negative"), "{e}");
     }
 }

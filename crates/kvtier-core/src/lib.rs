@@ -15,10 +15,11 @@ mod checksum;
 mod error;
 mod geometry;
 mod namespace;
+pub mod optional_setting;
 mod tier;
 
 pub use block_key::{BlockHasher, BlockKey};
-pub use byte_size::ByteSize;
+pub use byte_size::{BYTE_SIZE_FORM, ByteSize};
 pub use checksum::{Xxh3Stream, xxh3_64};
 pub use error::{CoreError, ErrorKind};
 pub use geometry::{Dtype, KvGeometry};

@@ -68,9 +68,10 @@ pub struct EngineConfig {
     pub pool_path: Option<PathBuf>,
     /// Prefix reuse policy. Default tiered.
     pub kv_reuse: KvReuse,
-    /// The sidecar (`unix:///path`, a socket path or `http://host:port`); `None` serves from
-    /// the device cache only.
-    pub sidecar: Option<String>,
+    /// The sidecar (`unix:///path`, a socket path, `http://host:port` or `https://host:port`,
+    /// with TLS settings and a token when it needs them); `None` serves from the device cache
+    /// only.
+    pub sidecar: Option<kvtier_client::ConnectOptions>,
     /// Tokens per forward pass (the chunked-prefill budget). Default 512.
     pub max_batch_tokens: usize,
     /// Sequences running at once. Default 16.

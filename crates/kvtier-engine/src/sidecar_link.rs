@@ -235,7 +235,7 @@ struct Released {
 #[derive(Debug, Clone)]
 pub struct SidecarConfig {
     /// `unix:///path`, a socket path, or `http(s)://host:port`.
-    pub target: String,
+    pub target: kvtier_client::ConnectOptions,
     /// Wait between reconnection attempts.
     pub retry: Duration,
     /// Deadline the sidecar gets for each load.
@@ -317,7 +317,7 @@ impl SidecarLink {
 
     /// The sidecar's address.
     pub fn target(&self) -> &str {
-        &self.config.target
+        &self.config.target.target
     }
 
     /// Whether a session is open now: a connection whose session stream is still open and
@@ -360,7 +360,7 @@ impl SidecarLink {
         let geometry = *kvtier_transfer::DevicePool::geometry(pool.as_ref());
         let attempt = self.rt.block_on(async move {
             let connect = async {
-                let mut client = Client::connect(&target, "kvtier-engine").await?;
+                let mut client = Client::connect_with(&target, "kvtier-engine").await?;
                 if client.geometry() != geometry {
                     return Err(LinkError::GeometryMismatch {
                         served: client.geometry(),
@@ -406,7 +406,7 @@ impl SidecarLink {
                         }
                     }
                 });
-                tracing::info!(target = %self.config.target, pool = pool.id, "connected to the kvtier sidecar");
+                tracing::info!(target = %self.config.target.target, pool = pool.id, "connected to the kvtier sidecar");
                 self.conn = Some(Conn {
                     client,
                     pool,
@@ -415,7 +415,7 @@ impl SidecarLink {
                 Some(true)
             }
             Err(e) => {
-                tracing::warn!(target = %self.config.target, error = %e, "kvtier sidecar unavailable; serving by recompute");
+                tracing::warn!(target = %self.config.target.target, error = %e, "kvtier sidecar unavailable; serving by recompute");
                 self.retry_at = Instant::now() + self.config.retry;
                 None
             }
@@ -424,7 +424,7 @@ impl SidecarLink {
 
     fn drop_conn(&mut self, why: &dyn std::fmt::Display) {
         if self.conn.take().is_some() {
-            tracing::warn!(target = %self.config.target, reason = %why, "lost the kvtier sidecar; serving by recompute");
+            tracing::warn!(target = %self.config.target.target, reason = %why, "lost the kvtier sidecar; serving by recompute");
         }
         self.retry_at = Instant::now() + self.config.retry;
     }

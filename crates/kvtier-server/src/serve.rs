@@ -16,7 +16,7 @@ use tonic::{Request, Status};
 use crate::service::KvTierService;
 use crate::state::ServerState;
 use crate::stats::Snapshot;
-use crate::{ServerConfig, ServerError, metric_names};
+use crate::{Secret, ServerConfig, ServerError, SocketMode, metric_names};
 use kvtier_proto::proto::kv_tier_server::KvTierServer;
 
 /// Where a running sidecar listens, handed to the caller once it accepts requests.
@@ -105,7 +105,7 @@ pub async fn serve(
     });
 
     let socket = config.server.socket.clone();
-    let unix = bind_unix(&socket)?;
+    let unix = bind_unix(&socket, config.server.socket_mode)?;
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
@@ -146,9 +146,9 @@ pub async fn serve(
                     .tls_config(ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?)))
                     .map_err(|e| ServerError::Config(format!("TLS: {e}")))?;
             }
-            let token = config.server.auth_token.clone();
+            let token = config.server.bearer_token()?;
             let auth = tonic::service::InterceptorLayer::new(move |req: Request<()>| {
-                check_token(req, token.as_deref())
+                check_token(req, token.as_ref().map(Secret::expose))
             });
             let server = builder
                 .layer(auth)
@@ -243,7 +243,10 @@ fn kvtier_server(service: KvTierService, config: &ServerConfig) -> KvTierServer<
         .max_encoding_message_size(limit)
 }
 
-fn bind_unix(path: &Path) -> Result<tokio::net::UnixListener, ServerError> {
+/// Binds the Unix socket and gives it `mode`, whatever the process's umask. (Connecting
+/// needs write permission on the socket file; to keep other users out before the chmod too,
+/// put the socket in a directory only its users may enter, as the deploy files do.)
+fn bind_unix(path: &Path, mode: SocketMode) -> Result<tokio::net::UnixListener, ServerError> {
     let listen_err = |e| ServerError::Listen {
         what: path.display().to_string(),
         source: e,
@@ -259,7 +262,7 @@ fn bind_unix(path: &Path) -> Result<tokio::net::UnixListener, ServerError> {
     }
     let listener = tokio::net::UnixListener::bind(path).map_err(listen_err)?;
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(listen_err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode.bits())).map_err(listen_err)?;
     Ok(listener)
 }
 

@@ -101,6 +101,17 @@ impl Default for DiskTierConfig {
     }
 }
 
+impl DiskTierConfig {
+    /// Block slots per region file and the file's bytes, for `geometry`: a region holds at
+    /// least one block, so it may be larger than `region_size` when a block is.
+    pub fn region_layout(&self, geometry: &KvGeometry) -> (u32, u64) {
+        let entry_stride = (HEADER_BYTES + geometry.bytes_per_block().next_multiple_of(PAGE_ALIGN)) as u64;
+        let slots = ((self.region_size.bytes().saturating_sub(HEADER_BYTES as u64)) / entry_stride)
+            .clamp(1, u32::MAX as u64) as u32;
+        (slots, HEADER_BYTES as u64 + u64::from(slots) * entry_stride)
+    }
+}
+
 /// A snapshot of a disk tier's counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct DiskTierStats {
@@ -258,10 +269,7 @@ impl DiskTier {
         let direct = probe_direct_io(&dir, config.direct_io)?;
         let page_stride = geometry.bytes_per_block().next_multiple_of(PAGE_ALIGN);
         let entry_stride = (HEADER_BYTES + page_stride) as u64;
-        let slots_per_region = ((config.region_size.bytes().saturating_sub(HEADER_BYTES as u64))
-            / entry_stride)
-            .clamp(1, u32::MAX as u64) as u32;
-        let region_bytes = HEADER_BYTES as u64 + u64::from(slots_per_region) * entry_stride;
+        let (slots_per_region, region_bytes) = config.region_layout(&geometry);
         let max_regions = (config.capacity.bytes() / region_bytes) as usize;
         if max_regions == 0 {
             return Err(StoreError::CapacityTooSmall {

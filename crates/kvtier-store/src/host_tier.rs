@@ -37,7 +37,8 @@ pub struct HostTierConfig {
     /// Bytes of shared memory for block pages (default `4GiB`), rounded down to whole pages.
     pub capacity: ByteSize,
     /// File to back the arena (e.g. under `/dev/shm`), making it shareable; `None` (default)
-    /// uses `backing`.
+    /// uses `backing` (`"off"` in TOML).
+    #[serde(with = "kvtier_core::optional_setting")]
     pub shm_path: Option<PathBuf>,
     /// Memory of the arena when `shm_path` is not set (default `private`).
     pub backing: HostBacking,
