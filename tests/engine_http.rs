@@ -39,14 +39,14 @@ fn json(body: &str) -> Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
 }
 
-#[test]
-fn the_http_api_serves_completions_generate_health_and_metrics() {
+/// Starts `kvtier engine` (tiny-moe, blocks of 16, no sidecar); returns it, its port and
+/// whether it said it serves by recompute.
+fn start_engine(dir: &std::path::Path) -> (Engine, u16, bool) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let dir = tempfile::tempdir().unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
         .args([
             "engine",
@@ -59,7 +59,7 @@ fn the_http_api_serves_completions_generate_health_and_metrics() {
         ])
         .args([
             "--sidecar",
-            &format!("unix://{}", dir.path().join("absent.sock").display()),
+            &format!("unix://{}", dir.join("absent.sock").display()),
         ])
         .args(["--listen", &format!("127.0.0.1:{port}")])
         .stderr(Stdio::piped())
@@ -75,7 +75,13 @@ fn the_http_api_serves_completions_generate_health_and_metrics() {
         }
     }
     std::thread::spawn(move || for _ in lines {});
-    let _engine = Engine(child);
+    (Engine(child), port, said_recompute)
+}
+
+#[test]
+fn the_http_api_serves_completions_generate_health_and_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_engine, port, said_recompute) = start_engine(dir.path());
     assert!(
         said_recompute,
         "the engine says the sidecar is not there and it serves anyway"
@@ -231,4 +237,227 @@ fn the_exposition_checker_finds_what_promtool_finds() {
         let errors = exposition::check(bad).expect_err(bad);
         assert!(errors.iter().any(|e| e.contains(why)), "{why}: {errors:?}");
     }
+}
+
+/// The text of one streamed completion: its chunks' texts joined, and the last finish reason.
+fn streamed(port: u16, req: &Value) -> (String, String) {
+    let mut req = req.clone();
+    req["stream"] = Value::Bool(true);
+    let (status, sse) = http(port, "POST", "/v1/completions", &req.to_string());
+    assert_eq!(status, 200, "{sse}");
+    let mut text = String::new();
+    let mut finish = String::new();
+    for e in sse
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|e| *e != "[DONE]")
+    {
+        let v = json(e);
+        text.push_str(v["choices"][0]["text"].as_str().unwrap_or_default());
+        if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+            finish = f.to_owned();
+        }
+    }
+    (text, finish)
+}
+
+#[test]
+fn stop_sequences_parameters_and_error_shapes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_engine, port, _) = start_engine(dir.path());
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 13 + 5) % 200).collect();
+    let base = serde_json::json!({"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": true});
+    let (status, full) = http(port, "POST", "/v1/completions", &base.to_string());
+    assert_eq!(status, 200, "{full}");
+    let full = json(&full)["choices"][0]["text"].as_str().unwrap().to_owned();
+
+    // A stop string from the middle of the greedy output (two characters, so it spans
+    // tokens): the text ends right before its first occurrence, finish_reason "stop", the
+    // same streamed as whole.
+    let chars: Vec<(usize, char)> = full.char_indices().collect();
+    let (at, stop) = (2..chars.len().saturating_sub(2))
+        .map(|i| {
+            let end = chars.get(i + 2).map_or(full.len(), |c| c.0);
+            (chars[i].0, &full[chars[i].0..end])
+        })
+        .find(|(at, s)| !s.contains('\u{FFFD}') && full.find(s) == Some(*at))
+        .unwrap_or_else(|| panic!("no usable stop string in {full:?}"));
+    let mut req = base.clone();
+    req["stop"] = serde_json::json!([stop, "never-appears"]);
+    let (_, body) = http(port, "POST", "/v1/completions", &req.to_string());
+    let r = json(&body);
+    assert_eq!(
+        r["choices"][0]["text"].as_str().unwrap(),
+        &full[..at],
+        "stop {stop:?} in {full:?}"
+    );
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+    assert!(r["usage"]["completion_tokens"].as_u64().unwrap() < 24);
+    assert_eq!(streamed(port, &req), (full[..at].to_owned(), "stop".to_owned()));
+    assert_eq!(streamed(port, &base), (full.clone(), "length".to_owned()));
+
+    // stop_token_ids end at that token; min_tokens keeps them out of the first tokens.
+    let generate = serde_json::json!({"input_ids": prompt, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": true}});
+    let (_, g) = http(port, "POST", "/generate", &generate.to_string());
+    let ids: Vec<u64> = json(&g)["output_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let stop_id = ids[3];
+    let first = ids.iter().position(|&t| t == stop_id).unwrap();
+    let mut req = base.clone();
+    req["stop_token_ids"] = serde_json::json!([stop_id]);
+    let (_, body) = http(port, "POST", "/v1/completions", &req.to_string());
+    let r = json(&body);
+    assert_eq!(r["usage"]["completion_tokens"], first + 1, "{body}");
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+    let mut gen_stop = generate.clone();
+    gen_stop["sampling_params"]["stop_token_ids"] = serde_json::json!([ids[0]]);
+    gen_stop["sampling_params"]["min_new_tokens"] = serde_json::json!(5);
+    let (_, body) = http(port, "POST", "/generate", &gen_stop.to_string());
+    let out: Vec<u64> = json(&body)["output_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert!(out.len() >= 5, "min_new_tokens: {out:?}");
+    assert!(
+        !out[..5].contains(&ids[0]),
+        "the stop token was masked out: {out:?}"
+    );
+
+    // SGLang's streaming shape (bench_serving's payload): meta_info on every event.
+    let sg = serde_json::json!({"input_ids": prompt, "stream": true, "lora_path": null, "return_logprob": false,
+        "logprob_start_len": -1, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": true}});
+    let (status, sse) = http(port, "POST", "/generate", &sg.to_string());
+    assert_eq!(status, 200, "{sse}");
+    let events: Vec<Value> = sse
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|e| *e != "[DONE]")
+        .map(json)
+        .collect();
+    // One event per token, then the finishing one (same text, no new tokens: SGLang's
+    // clients skip it for inter-token latency).
+    assert_eq!(events.len(), 5, "{sse}");
+    for (i, e) in events.iter().enumerate() {
+        let m = &e["meta_info"];
+        assert_eq!(m["completion_tokens"], (i + 1).min(4), "{e}");
+        assert_eq!(m["prompt_tokens"], 40, "{e}");
+        assert_eq!(
+            m["cached_tokens"], 32,
+            "the same prompt again hits the device cache: {e}"
+        );
+        assert_eq!(m["finish_reason"].is_null(), i < 4, "{e}");
+    }
+    assert_eq!(events[4]["meta_info"]["finish_reason"]["type"], "length");
+    assert_eq!(events[4]["text"], events[3]["text"]);
+
+    // Models, and every error status in the {"error": {...}} shape.
+    let (status, m) = http(port, "GET", "/v1/models/tiny-moe", "");
+    assert_eq!((status, json(&m)["id"].as_str()), (200, Some("tiny-moe")));
+    for (method, path, body, want, needle) in [
+        ("GET", "/v1/models/gpt-4", "", 404, "gpt-4"),
+        (
+            "POST",
+            "/v1/completions",
+            r#"{"model": "gpt-4", "prompt": "hi"}"#,
+            404,
+            "gpt-4",
+        ),
+        ("GET", "/no/such/path", "", 404, "/no/such/path"),
+        ("GET", "/v1/completions", "", 405, "GET"),
+        (
+            "POST",
+            "/v1/completions",
+            r#"{"prompt": "hi", "echo": true}"#,
+            400,
+            "echo",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            r#"{"prompt": "hi", "logprobs": 2}"#,
+            400,
+            "logprobs",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            r#"{"prompt": "hi", "best_of": 3}"#,
+            400,
+            "best_of",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            r#"{"prompt": "hi", "suffix": "x"}"#,
+            400,
+            "suffix",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            r#"{"prompt": "hi", "presence_penalty": 1.5}"#,
+            400,
+            "presence_penalty",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            r#"{"prompt": "hi", "temperature": 5}"#,
+            400,
+            "temperature",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            r#"{"prompt": "hi", "top_p": 0}"#,
+            400,
+            "top_p",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            r#"{"prompt": "hi", "stop": ["a","b","c","d","e"]}"#,
+            400,
+            "stop",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            r#"{"prompt": "hi", "frobnicate": 1}"#,
+            400,
+            "frobnicate",
+        ),
+        (
+            "POST",
+            "/generate",
+            r#"{"text": "hi", "sampling_params": {"top_k": 5}}"#,
+            400,
+            "top_k",
+        ),
+        (
+            "POST",
+            "/generate",
+            r#"{"text": "hi", "return_logprob": true}"#,
+            400,
+            "return_logprob",
+        ),
+    ] {
+        let (status, b) = http(port, method, path, body);
+        assert_eq!(status, want, "{method} {path} {body}: {b}");
+        let msg = json(&b)["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(msg.contains(needle), "{method} {path} {body}: {b}");
+    }
+    // Parameters at their no-op values are accepted.
+    let ok = r#"{"prompt": "hi", "max_tokens": 2, "echo": false, "logprobs": null, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "user": "u1", "model": "tiny-moe"}"#;
+    let (status, b) = http(port, "POST", "/v1/completions", ok);
+    assert_eq!(status, 200, "{b}");
 }

@@ -137,6 +137,7 @@ fn run_scenarios(preset: &str, layers: Option<usize>, block_tokens: u32, prompt_
         sampling: Sampling::default(),
         ignore_eos: true,
         cache_salt: String::new(),
+        ..GenRequest::default()
     };
     let run = |p: &Vec<u32>| -> (Vec<u32>, Usage) { engine.generate(req(p)).unwrap() };
     let reusable = (prompt_tokens - 1) / block_tokens as usize * block_tokens as usize;

@@ -192,6 +192,7 @@ pub fn run_engine_bench(
                 sampling: Sampling::default(),
                 ignore_eos: true,
                 cache_salt: String::new(),
+                ..GenRequest::default()
             })
             .map(|(_, u)| u)
             .map_err(err)
@@ -249,6 +250,7 @@ pub fn run_engine_bench(
                         sampling: Sampling::default(),
                         ignore_eos: true,
                         cache_salt: String::new(),
+                        ..GenRequest::default()
                     })
                     .map_err(err)
             })
@@ -258,7 +260,7 @@ pub fn run_engine_bench(
                 match ev {
                     kvtier_engine::SeqEvent::Finished { .. } => break,
                     kvtier_engine::SeqEvent::Failed(e) => return Err(err(e)),
-                    kvtier_engine::SeqEvent::Token(_) => {}
+                    kvtier_engine::SeqEvent::Token(_) | kvtier_engine::SeqEvent::Prefilled(_) => {}
                 }
             }
             step(progress);

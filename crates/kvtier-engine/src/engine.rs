@@ -175,6 +175,7 @@ impl Engine {
         let mut tokens = Vec::new();
         loop {
             match rx.blocking_recv() {
+                Some(SeqEvent::Prefilled(_)) => {}
                 Some(SeqEvent::Token(t)) => tokens.push(t),
                 Some(SeqEvent::Finished { usage, .. }) => return Ok((tokens, usage)),
                 Some(SeqEvent::Failed(e)) => return Err(EngineError::BadRequest(e)),
@@ -264,6 +265,7 @@ mod tests {
             sampling: Sampling::default(),
             ignore_eos: true,
             cache_salt: String::new(),
+            ..GenRequest::default()
         }
     }
 
@@ -329,6 +331,7 @@ mod tests {
             let mut got = Vec::new();
             while let Some(ev) = rx.blocking_recv() {
                 match ev {
+                    SeqEvent::Prefilled(_) => {}
                     SeqEvent::Token(t) => got.push(t),
                     SeqEvent::Finished { .. } => break,
                     SeqEvent::Failed(e) => panic!("{e}"),

@@ -23,8 +23,9 @@ use tokio_stream::StreamExt;
 
 use kvtier_core::Tier;
 
-use crate::request::{FinishReason, GenRequest, SeqEvent, Usage};
+use crate::request::{CachedTokens, FinishReason, GenRequest, SeqEvent, Usage};
 use crate::sampling::Sampling;
+use crate::stop_strings::StopStrings;
 use crate::text_codec::TextCodec;
 use crate::{Engine, EngineError};
 
@@ -45,13 +46,27 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/generate", post(generate))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model_by_id))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/flush_cache", post(flush_cache))
         .route("/kvtier/clear", post(kvtier_clear))
         .route("/kvtier/stats", get(kvtier_stats))
         .route("/kvtier/reuse", post(kvtier_reuse))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
+}
+
+async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError(StatusCode::NOT_FOUND, format!("no such endpoint: {}", uri.path()))
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{method} is not allowed on {}", uri.path()),
+    )
 }
 
 /// An error response: `{"error": {"message", "type", "code"}}`.
@@ -60,10 +75,10 @@ struct ApiError(StatusCode, String);
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let kind = if self.0.is_client_error() {
-            "invalid_request_error"
-        } else {
-            "server_error"
+        let kind = match self.0 {
+            StatusCode::NOT_FOUND => "not_found_error",
+            s if s.is_client_error() => "invalid_request_error",
+            _ => "server_error",
         };
         (
             self.0,
@@ -97,9 +112,119 @@ fn body<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, ApiError> {
     serde_json::from_value(v).map_err(|e| bad(format!("bad request body: {e}")))
 }
 
-/// The fields of an OpenAI completion request this engine reads (others are ignored).
+/// Checks a request body's field names: every one is read by this engine (`read`), or is one
+/// it does not implement, accepted only at the value that changes nothing (`noop`). Anything
+/// else is a 400 naming the field: nothing is accepted and silently ignored.
+/// A parameter this engine does not implement, and the test for the value that changes nothing.
+type Noop = (&'static str, fn(&Value) -> bool);
+
+fn check_fields(b: &[u8], read: &[&str], noop: &[Noop]) -> Result<(), ApiError> {
+    let Ok(Value::Object(m)) = serde_json::from_slice::<Value>(b) else {
+        return Ok(()); // body() reports it
+    };
+    for (k, v) in &m {
+        if read.contains(&k.as_str()) {
+            continue;
+        }
+        match noop.iter().find(|(name, _)| name == k) {
+            Some((_, is_noop)) if is_noop(v) => {}
+            Some(_) => return Err(bad(format!("{k} is not supported by this engine (got {v})"))),
+            None => return Err(bad(format!("unknown parameter {k:?}"))),
+        }
+    }
+    Ok(())
+}
+
+fn is_null_or_false(v: &Value) -> bool {
+    v.is_null() || v == &Value::Bool(false)
+}
+
+fn is_null_or_zero(v: &Value) -> bool {
+    v.is_null() || v.as_f64() == Some(0.0)
+}
+
+fn is_null_or_one(v: &Value) -> bool {
+    v.is_null() || v.as_u64() == Some(1)
+}
+
+fn is_null_or_empty(v: &Value) -> bool {
+    v.is_null() || v.as_object().is_some_and(|m| m.is_empty()) || v.as_str() == Some("")
+}
+
+/// Parameters of OpenAI's completion API this engine does not implement, with the value at
+/// which each changes nothing.
+const COMPLETION_NOOPS: &[Noop] = &[
+    ("echo", is_null_or_false),
+    ("logprobs", Value::is_null),
+    ("best_of", is_null_or_one),
+    ("suffix", is_null_or_empty),
+    ("presence_penalty", is_null_or_zero),
+    ("frequency_penalty", is_null_or_zero),
+    ("logit_bias", is_null_or_empty),
+];
+
+/// `stop`: a string, a list of strings, or null.
+fn stop_strings(v: &Option<Value>) -> Result<StopStrings, ApiError> {
+    let list = match v {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| {
+                x.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| bad("stop: give strings"))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(other) => {
+            return Err(bad(format!(
+                "stop: give a string or a list of strings, not {other}"
+            )));
+        }
+    };
+    StopStrings::new(list).map_err(bad)
+}
+
+/// The model a request names must be this engine's (OpenAI answers 404 otherwise).
+fn check_model(s: &AppState, model: &Option<String>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if *m != s.engine.model().name => Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!(
+                "the model `{m}` does not exist; this engine serves `{}`",
+                s.engine.model().name
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Sampling ranges as OpenAI documents them.
+fn check_sampling(temperature: f32, top_p: f32, max_tokens: usize, key: &str) -> Result<(), ApiError> {
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(bad(format!("temperature = {temperature}: give 0 to 2")));
+    }
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(bad(format!("top_p = {top_p}: give more than 0 and at most 1")));
+    }
+    if max_tokens == 0 {
+        return Err(bad(format!("{key} = 0: give at least 1")));
+    }
+    Ok(())
+}
+
+/// The engine's check for `stops`, decoding with this engine's codec.
+fn stop_check(s: &Arc<AppState>, stops: &StopStrings) -> Option<crate::request::StopCheck> {
+    let st = Arc::clone(s);
+    stops.check(Arc::new(move |ids: &[u32]| st.codec.decode(ids)))
+}
+
+/// The fields of an OpenAI completion request this engine reads ([`COMPLETION_NOOPS`] and
+/// unknown fields are refused by [`check_fields`]).
 #[derive(Debug, Deserialize)]
 struct CompletionRequest {
+    #[serde(default)]
+    model: Option<String>,
     prompt: Value,
     #[serde(default = "default_max_tokens")]
     max_tokens: usize,
@@ -117,7 +242,44 @@ struct CompletionRequest {
     cache_salt: String,
     #[serde(default)]
     n: Option<u32>,
+    #[serde(default)]
+    stop: Option<Value>,
+    #[serde(default)]
+    stop_token_ids: Vec<u32>,
+    #[serde(default)]
+    min_tokens: usize,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
 }
+
+/// OpenAI's `stream_options`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StreamOptions {
+    /// Send a last chunk with no choices and the usage (it is also on the finishing chunk).
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// Fields of a completion request that are read.
+const COMPLETION_FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stream",
+    "ignore_eos",
+    "cache_salt",
+    "n",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "stream_options",
+    // An end-user id for the operator's logs; it changes nothing in the output.
+    "user",
+];
 
 fn default_max_tokens() -> usize {
     16
@@ -190,6 +352,7 @@ async fn collect(mut rx: UnboundedReceiver<SeqEvent>) -> Result<(Vec<u32>, Finis
     let mut tokens = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
+            SeqEvent::Prefilled(_) => {}
             SeqEvent::Token(t) => tokens.push(t),
             SeqEvent::Finished { reason, usage } => return Ok((tokens, reason, usage)),
             SeqEvent::Failed(e) => return Err(bad(e)),
@@ -199,31 +362,63 @@ async fn collect(mut rx: UnboundedReceiver<SeqEvent>) -> Result<(Vec<u32>, Finis
 }
 
 /// Text appended by the newest token (decoding the whole output keeps multi-token
-/// characters whole).
+/// characters whole), ending before any stop string and holding back what a stop string
+/// could still begin with.
 struct Detok {
     ids: Vec<u32>,
     text_len: usize,
+    stops: StopStrings,
+    /// A stop string was reached: nothing more is sent.
+    stopped: bool,
 }
 
 impl Detok {
+    fn new(stops: StopStrings) -> Self {
+        Self {
+            ids: Vec::new(),
+            text_len: 0,
+            stops,
+            stopped: false,
+        }
+    }
+
     fn push(&mut self, codec: &TextCodec, id: u32) -> String {
         self.ids.push(id);
-        let text = codec.decode(&self.ids);
-        // A partial UTF-8 sequence decodes as U+FFFD: wait for the rest.
-        if text.ends_with('\u{FFFD}') {
+        self.take(codec, false)
+    }
+
+    /// The text not yet sent; at the end (`last`) also what was held back.
+    fn take(&mut self, codec: &TextCodec, last: bool) -> String {
+        if self.stopped {
             return String::new();
         }
-        let delta = text.get(self.text_len..).unwrap_or_default().to_owned();
-        self.text_len = text.len();
+        let text = codec.decode(&self.ids);
+        // A partial UTF-8 sequence decodes as U+FFFD: wait for the rest.
+        if text.ends_with('\u{FFFD}') && !last {
+            return String::new();
+        }
+        let (text, hit) = self.stops.truncate(&text);
+        let upto = if hit || last {
+            text.len()
+        } else {
+            self.stops.sendable(text)
+        };
+        self.stopped = hit;
+        let delta = text.get(self.text_len..upto).unwrap_or_default().to_owned();
+        self.text_len = self.text_len.max(upto);
         delta
     }
 }
 
 async fn completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Response, ApiError> {
+    check_fields(&b, COMPLETION_FIELDS, COMPLETION_NOOPS)?;
     let r: CompletionRequest = body(&b)?;
+    check_model(&s, &r.model)?;
     if r.n.is_some_and(|n| n != 1) {
         return Err(bad("n: only 1 completion per request is supported"));
     }
+    check_sampling(r.temperature, r.top_p, r.max_tokens, "max_tokens")?;
+    let stops = stop_strings(&r.stop)?;
     let prompt = prompt_ids(&s.codec, &r.prompt)?;
     let rx = s.engine.submit(GenRequest {
         prompt,
@@ -235,43 +430,81 @@ async fn completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Respons
         },
         ignore_eos: r.ignore_eos,
         cache_salt: r.cache_salt,
+        stop_token_ids: r.stop_token_ids,
+        min_tokens: r.min_tokens,
+        stop: stop_check(&s, &stops),
     })?;
     let id = request_id();
     let model = s.engine.model().name.clone();
     let created = now_s();
     if !r.stream {
         let (tokens, reason, usage) = collect(rx).await?;
+        let text = s.codec.decode(&tokens);
+        let (text, _) = stops.truncate(&text);
         return Ok(Json(json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": s.codec.decode(&tokens), "logprobs": null, "finish_reason": finish_str(reason)}],
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_str(reason)}],
             "usage": usage_json(&usage),
         }))
         .into_response());
     }
     let state = Arc::clone(&s);
-    let mut detok = Detok {
-        ids: Vec::new(),
-        text_len: 0,
-    };
+    let mut detok = Detok::new(stops);
+    let include_usage = r.stream_options.is_some_and(|o| o.include_usage);
     let chunk = move |text: String, finish: Option<&str>, usage: Option<&Usage>| {
         let mut v = json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
         });
+        let mut events = Vec::with_capacity(2);
         if let Some(u) = usage {
             v["usage"] = usage_json(u);
-        }
-        Event::default().data(v.to_string())
-    };
-    let events = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(move |ev| {
-        Ok::<_, Infallible>(match ev {
-            SeqEvent::Token(t) => chunk(detok.push(&state.codec, t), None, None),
-            SeqEvent::Finished { reason, usage } => {
-                chunk(String::new(), Some(finish_str(reason)), Some(&usage))
+            if include_usage {
+                let mut last = v.clone();
+                last["choices"] = json!([]);
+                events.push(Event::default().data(v.to_string()));
+                events.push(Event::default().data(last.to_string()));
+                return events;
             }
-            SeqEvent::Failed(e) => Event::default().data(json!({"error": {"message": e}}).to_string()),
-        })
+        }
+        events.push(Event::default().data(v.to_string()));
+        events
+    };
+    // A task turns engine events into SSE events (the end may send two); when the client goes away its sends fail, the task ends and drops `rx`,
+    // which frees the sequence in the engine.
+    let (tx, events) = tokio::sync::mpsc::unbounded_channel::<Event>();
+    let mut rx = rx;
+    tokio::spawn(async move {
+        while let Some(ev) = rx.recv().await {
+            let (out, end) = match ev {
+                SeqEvent::Prefilled(_) => continue,
+                // One chunk per token (its text may be empty: a partial character, or text a
+                // stop string could still begin with, held back).
+                SeqEvent::Token(t) => (chunk(detok.push(&state.codec, t), None, None), false),
+                SeqEvent::Finished { reason, usage } => (
+                    chunk(
+                        detok.take(&state.codec, true),
+                        Some(finish_str(reason)),
+                        Some(&usage),
+                    ),
+                    true,
+                ),
+                SeqEvent::Failed(e) => (
+                    vec![Event::default().data(json!({"error": {"message": e}}).to_string())],
+                    true,
+                ),
+            };
+            for e in out {
+                if tx.send(e).is_err() {
+                    return;
+                }
+            }
+            if end {
+                break;
+            }
+        }
     });
+    let events = tokio_stream::wrappers::UnboundedReceiverStream::new(events).map(Ok::<_, Infallible>);
     let done = tokio_stream::once(Ok(Event::default().data("[DONE]")));
     Ok(Sse::new(events.chain(done)).into_response())
 }
@@ -289,7 +522,65 @@ struct GenerateRequest {
     stream: bool,
     #[serde(default)]
     cache_salt: String,
+    #[serde(default)]
+    rid: Option<String>,
 }
+
+/// Top-level fields of `/generate` that are read.
+const GENERATE_FIELDS: &[&str] = &[
+    "input_ids",
+    "text",
+    "sampling_params",
+    "stream",
+    "cache_salt",
+    "rid",
+];
+
+/// Fields SGLang's clients send (its `bench_serving.py` among them) for features this engine
+/// does not have, accepted at the value that leaves them off.
+const GENERATE_NOOPS: &[Noop] = &[
+    ("lora_path", Value::is_null),
+    ("return_logprob", is_null_or_false),
+    // Where logprobs would start: meaningless with return_logprob off.
+    ("logprob_start_len", Value::is_number),
+    ("top_logprobs_num", is_null_or_zero),
+    ("return_text_in_logprobs", Value::is_boolean),
+    ("image_data", Value::is_null),
+    ("return_routed_experts", is_null_or_false),
+];
+
+/// `sampling_params` fields that are read.
+const SAMPLING_FIELDS: &[&str] = &[
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "ignore_eos",
+    "stop",
+    "stop_token_ids",
+    "min_new_tokens",
+];
+
+fn is_null_or_minus_one(v: &Value) -> bool {
+    v.is_null() || v.as_i64() == Some(-1)
+}
+
+fn is_null_or_true(v: &Value) -> bool {
+    v.is_null() || v == &Value::Bool(true)
+}
+
+/// SGLang sampling parameters this engine does not implement, at their off values.
+const SAMPLING_NOOPS: &[Noop] = &[
+    ("top_k", is_null_or_minus_one),
+    ("min_p", is_null_or_zero),
+    ("frequency_penalty", is_null_or_zero),
+    ("presence_penalty", is_null_or_zero),
+    ("repetition_penalty", is_null_or_one),
+    ("n", is_null_or_one),
+    ("skip_special_tokens", is_null_or_true),
+    ("spaces_between_special_tokens", is_null_or_true),
+    ("no_stop_trim", is_null_or_false),
+];
 
 #[derive(Debug, Deserialize)]
 struct SamplingParams {
@@ -303,6 +594,12 @@ struct SamplingParams {
     seed: Option<u64>,
     #[serde(default)]
     ignore_eos: bool,
+    #[serde(default)]
+    stop: Option<Value>,
+    #[serde(default)]
+    stop_token_ids: Vec<u32>,
+    #[serde(default)]
+    min_new_tokens: usize,
 }
 
 impl Default for SamplingParams {
@@ -313,24 +610,46 @@ impl Default for SamplingParams {
             top_p: 1.0,
             seed: None,
             ignore_eos: false,
+            stop: None,
+            stop_token_ids: Vec::new(),
+            min_new_tokens: 0,
         }
     }
 }
 
-fn meta_info(id: &str, reason: FinishReason, u: &Usage) -> Value {
-    json!({
+/// SGLang's `meta_info`, on every streamed event and in the full reply: `finish_reason` is
+/// null until the last event; `cached_tokens` is known from the first token on.
+fn meta_info(
+    id: &str,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    cached: Option<CachedTokens>,
+    end: Option<(FinishReason, &Usage)>,
+) -> Value {
+    let cached = end.map(|(_, u)| u.cached).or(cached).unwrap_or_default();
+    let mut v = json!({
         "id": id,
-        "finish_reason": {"type": finish_str(reason)},
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "cached_tokens": u.cached.total(),
-        "cached_tokens_details": {"device": u.cached.device, "host": u.cached.host, "disk": u.cached.disk},
-        "ttft_ms": u.ttft_ms,
-        "e2e_latency": u.e2e_ms / 1e3,
-    })
+        "finish_reason": end.map(|(r, _)| json!({"type": finish_str(r), "matched": null})),
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": cached.total(),
+        "cached_tokens_details": {"device": cached.device, "host": cached.host, "disk": cached.disk},
+    });
+    if let Some((_, u)) = end {
+        v["ttft_ms"] = json!(u.ttft_ms);
+        v["e2e_latency"] = json!(u.e2e_ms / 1e3);
+    }
+    v
 }
 
 async fn generate(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Response, ApiError> {
+    check_fields(&b, GENERATE_FIELDS, GENERATE_NOOPS)?;
+    if let Ok(Value::Object(m)) = serde_json::from_slice::<Value>(&b)
+        && let Some(p) = m.get("sampling_params")
+    {
+        check_fields(p.to_string().as_bytes(), SAMPLING_FIELDS, SAMPLING_NOOPS)
+            .map_err(|ApiError(c, m)| ApiError(c, format!("sampling_params: {m}")))?;
+    }
     let r: GenerateRequest = body(&b)?;
     let prompt = match (r.input_ids, r.text) {
         (Some(ids), None) => ids,
@@ -339,6 +658,14 @@ async fn generate(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Response, 
         (None, None) => return Err(bad("give input_ids or text")),
     };
     let p = r.sampling_params;
+    check_sampling(
+        p.temperature,
+        p.top_p,
+        p.max_new_tokens,
+        "sampling_params.max_new_tokens",
+    )?;
+    let stops = stop_strings(&p.stop)?;
+    let prompt_tokens = prompt.len();
     let rx = s.engine.submit(GenRequest {
         prompt,
         max_tokens: p.max_new_tokens,
@@ -349,35 +676,69 @@ async fn generate(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Response, 
         },
         ignore_eos: p.ignore_eos,
         cache_salt: r.cache_salt,
+        stop_token_ids: p.stop_token_ids,
+        min_tokens: p.min_new_tokens,
+        stop: stop_check(&s, &stops),
     })?;
-    let id = request_id();
+    let id = r.rid.unwrap_or_else(request_id);
     if !r.stream {
         let (tokens, reason, usage) = collect(rx).await?;
+        let text = s.codec.decode(&tokens);
+        let (text, _) = stops.truncate(&text);
         return Ok(Json(json!({
-            "text": s.codec.decode(&tokens),
+            "text": text,
             "output_ids": tokens,
-            "meta_info": meta_info(&id, reason, &usage),
+            "meta_info": meta_info(&id, prompt_tokens, tokens.len(), None, Some((reason, &usage))),
         }))
         .into_response());
     }
-    // SGLang streams the cumulative output in each event.
+    // SGLang streams the cumulative output in each event, with meta_info.
     let state = Arc::clone(&s);
-    let mut ids: Vec<u32> = Vec::new();
-    let events = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(move |ev| {
-        Ok::<_, Infallible>(match ev {
-            SeqEvent::Token(t) => {
-                ids.push(t);
-                Event::default().data(json!({"text": state.codec.decode(&ids), "output_ids": ids}).to_string())
+    let (tx, events) = tokio::sync::mpsc::unbounded_channel::<Event>();
+    let mut rx = rx;
+    tokio::spawn(async move {
+        let mut detok = Detok::new(stops);
+        let mut text = String::new();
+        let mut ids: Vec<u32> = Vec::new();
+        let mut cached = None;
+        while let Some(ev) = rx.recv().await {
+            let (v, end) = match ev {
+                SeqEvent::Prefilled(c) => {
+                    cached = Some(c);
+                    continue;
+                }
+                SeqEvent::Token(t) => {
+                    ids.push(t);
+                    text.push_str(&detok.push(&state.codec, t));
+                    let meta = meta_info(&id, prompt_tokens, ids.len(), cached, None);
+                    (json!({"text": text, "output_ids": ids, "meta_info": meta}), false)
+                }
+                SeqEvent::Finished { reason, usage } => {
+                    text.push_str(&detok.take(&state.codec, true));
+                    let meta = meta_info(&id, prompt_tokens, ids.len(), cached, Some((reason, &usage)));
+                    (json!({"text": text, "output_ids": ids, "meta_info": meta}), true)
+                }
+                SeqEvent::Failed(e) => (json!({"error": {"message": e}}), true),
+            };
+            if tx.send(Event::default().data(v.to_string())).is_err() || end {
+                return;
             }
-            SeqEvent::Finished { reason, usage } => Event::default().data(
-                json!({"text": state.codec.decode(&ids), "output_ids": ids, "meta_info": meta_info(&id, reason, &usage)})
-                    .to_string(),
-            ),
-            SeqEvent::Failed(e) => Event::default().data(json!({"error": {"message": e}}).to_string()),
-        })
+        }
     });
+    let events = tokio_stream::wrappers::UnboundedReceiverStream::new(events).map(Ok::<_, Infallible>);
     let done = tokio_stream::once(Ok(Event::default().data("[DONE]")));
     Ok(Sse::new(events.chain(done)).into_response())
+}
+
+async fn model_by_id(
+    State(s): State<Arc<AppState>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    check_model(&s, &Some(id))?;
+    Ok(Json(
+        json!({"id": s.engine.model().name, "object": "model", "owned_by": "kvtier",
+                   "max_model_len": s.engine.model().max_positions}),
+    ))
 }
 
 async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {

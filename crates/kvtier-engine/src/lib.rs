@@ -24,6 +24,7 @@ pub mod sampling;
 mod scheduler;
 pub mod sidecar_link;
 pub mod slot_cache;
+pub mod stop_strings;
 pub mod text_codec;
 mod weights;
 
@@ -34,7 +35,9 @@ pub use error::EngineError;
 pub use kv_slots::KvSlots;
 pub use model::{Model, SeqChunk};
 pub use model_config::{Mlp, ModelConfig, PRESETS};
-pub use request::{CachedTokens, FinishReason, GenRequest, SeqEvent, TransferSpan, Transfers, Usage};
+pub use request::{
+    CachedTokens, FinishReason, GenRequest, SeqEvent, StopCheck, TransferSpan, Transfers, Usage,
+};
 pub use sampling::Sampling;
 pub use text_codec::TextCodec;
 pub use weights::{FfnWeights, LayerWeights, MlpWeights, Weights, load_model};

@@ -8,8 +8,22 @@ use serde::{Deserialize, Serialize};
 use crate::sampling::Sampling;
 use crate::sidecar_link::Window;
 
+/// Decides, from the tokens generated so far, whether a stop sequence has appeared (the HTTP
+/// layer checks stop strings in the decoded text with it). Called after every token.
+#[derive(Clone)]
+pub struct StopCheck(pub std::sync::Arc<StopFn>);
+
+/// The function behind a [`StopCheck`]: the generated tokens so far → stop now?
+pub type StopFn = dyn Fn(&[u32]) -> bool + Send + Sync;
+
+impl std::fmt::Debug for StopCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StopCheck")
+    }
+}
+
 /// One generation request.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct GenRequest {
     /// Prompt token ids.
     pub prompt: Vec<u32>,
@@ -21,6 +35,14 @@ pub struct GenRequest {
     pub ignore_eos: bool,
     /// Tenant isolation: prefixes are shared only under the same salt.
     pub cache_salt: String,
+    /// Tokens that end generation like end-of-sequence (`finish_reason` `stop`), even with
+    /// `ignore_eos`.
+    pub stop_token_ids: Vec<u32>,
+    /// Tokens to generate before end-of-sequence and stop tokens may end it: until then they
+    /// are masked out of sampling (as vLLM's `min_tokens`).
+    pub min_tokens: usize,
+    /// Stop sequences checked on the output (`finish_reason` `stop`).
+    pub stop: Option<StopCheck>,
 }
 
 /// Prompt tokens served from each place.
@@ -107,9 +129,13 @@ pub struct Usage {
     pub transfers: Transfers,
 }
 
-/// A request's output, in order: `Token`s, then one `Finished` (or one `Failed`).
+/// A request's output, in order: `Prefilled`, `Token`s, then one `Finished` (or one
+/// `Failed` at any point).
 #[derive(Debug, Clone)]
 pub enum SeqEvent {
+    /// The prompt is computed (or loaded): where its cached tokens came from. Sent once,
+    /// right before the first token.
+    Prefilled(CachedTokens),
     /// The next token.
     Token(u32),
     /// Generation ended.

@@ -40,6 +40,9 @@ struct Seq {
     tokens: Vec<u32>,
     max_tokens: usize,
     ignore_eos: bool,
+    stop_token_ids: Vec<u32>,
+    min_tokens: usize,
+    stop: Option<crate::request::StopCheck>,
     sampler: Sampler,
     salt: String,
     hasher: BlockHasher,
@@ -293,6 +296,9 @@ impl Scheduler {
                 tokens: req.prompt.clone(),
                 max_tokens: req.max_tokens,
                 ignore_eos: req.ignore_eos,
+                stop_token_ids: req.stop_token_ids.clone(),
+                min_tokens: req.min_tokens,
+                stop: req.stop.clone(),
                 sampler: Sampler::new(req.sampling),
                 salt: req.cache_salt.clone(),
                 hasher: BlockHasher::new(ns, self.geometry.block_tokens()),
@@ -614,8 +620,24 @@ impl Scheduler {
         let eos = &self.model.config().eos_token_ids;
         let max_positions = self.model.config().max_positions;
         let s = &mut self.running[i];
-        let token = s.sampler.sample(logits);
-        s.first_token.get_or_insert_with(Instant::now);
+        let token = if s.generated() < s.min_tokens {
+            // Not yet: end-of-sequence and stop tokens cannot be drawn.
+            let mut masked = logits.to_vec();
+            for &t in eos.iter().chain(&s.stop_token_ids) {
+                if let Some(l) = masked.get_mut(t as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            s.sampler.sample(&masked)
+        } else {
+            s.sampler.sample(logits)
+        };
+        if s.first_token.is_none() {
+            s.first_token = Some(Instant::now());
+            if s.out.send(SeqEvent::Prefilled(s.cached)).is_err() {
+                return true; // the requester went away
+            }
+        }
         s.tokens.push(token);
         if decode {
             self.stats.decode_tokens += 1;
@@ -623,7 +645,11 @@ impl Scheduler {
         if s.out.send(SeqEvent::Token(token)).is_err() {
             return true; // the requester went away
         }
-        let reason = if !s.ignore_eos && eos.contains(&token) {
+        let generated = &s.tokens[s.prompt_len..];
+        let reason = if (!s.ignore_eos && eos.contains(&token))
+            || s.stop_token_ids.contains(&token)
+            || s.stop.as_ref().is_some_and(|c| (c.0)(generated))
+        {
             FinishReason::Stop
         } else if s.generated() >= s.max_tokens || s.tokens.len() >= max_positions {
             FinishReason::Length
