@@ -49,6 +49,9 @@ pub struct EngineFlags {
     /// Sequences running at once.
     #[arg(long, default_value_t = 16)]
     pub max_running: usize,
+    /// Requests waiting at most; past it requests get 503 with Retry-After.
+    #[arg(long, default_value_t = 256)]
+    pub max_waiting: usize,
     /// Device pool file (default /dev/shm/kvtier-engine-<pid>-<n>.pool).
     #[arg(long)]
     pub pool_path: Option<PathBuf>,
@@ -78,6 +81,7 @@ impl EngineFlags {
             sidecar,
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,
+            max_waiting: self.max_waiting,
             ..EngineConfig::default()
         })
     }

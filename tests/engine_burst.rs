@@ -1,6 +1,7 @@
 //! No request is lost between the HTTP layer, the waiting queue and the scheduler: with the
 //! device prefix cache filled by earlier requests and a sidecar behind it, a burst of streaming requests larger than
-//! the slot pool and the running set together all end (every stream reaches `[DONE]`).
+//! the slot pool, the running set and the waiting queue together all end: every stream
+//! reaches `[DONE]`, or is refused at once with 503 and `Retry-After`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -18,6 +19,15 @@ impl Drop for Engine {
 
 /// (status, body); a read that stalls for two minutes is a hang and fails the test.
 fn post(port: u16, path: &str, body: &str) -> (u16, String) {
+    let (status, head, body) = post_with_head(port, path, body);
+    if status == 503 {
+        assert!(head.to_ascii_lowercase().contains("retry-after: 1"), "{head}");
+    }
+    (status, body)
+}
+
+/// (status, head, body).
+fn post_with_head(port: u16, path: &str, body: &str) -> (u16, String, String) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     write!(
@@ -30,7 +40,11 @@ fn post(port: u16, path: &str, body: &str) -> (u16, String) {
     s.read_to_string(&mut out)
         .unwrap_or_else(|e| panic!("a request hung: {e}; got {out:?}"));
     let (head, body) = out.split_once("\r\n\r\n").unwrap();
-    (head.split(' ').nth(1).unwrap().parse().unwrap(), body.to_owned())
+    (
+        head.split(' ').nth(1).unwrap().parse().unwrap(),
+        head.to_owned(),
+        body.to_owned(),
+    )
 }
 
 #[test]
@@ -124,7 +138,7 @@ fn a_burst_after_the_cache_is_full_leaves_no_request_hanging() {
             std::thread::spawn(move || post(port, "/v1/completions", &body))
         })
         .collect();
-    let mut done = 0;
+    let (mut done, mut refused) = (0, 0);
     for t in threads {
         let (status, body) = t.join().unwrap();
         match status {
@@ -133,9 +147,16 @@ fn a_burst_after_the_cache_is_full_leaves_no_request_hanging() {
                 assert!(body.contains("\"finish_reason\":\"length\""), "{body}");
                 done += 1;
             }
-            503 => assert!(body.contains("\"error\""), "{body}"),
+            503 => {
+                assert!(
+                    body.contains("\"error\"") && body.contains("max_waiting"),
+                    "{body}"
+                );
+                refused += 1;
+            }
             other => panic!("status {other}: {body}"),
         }
     }
     assert!(done > 0);
+    eprintln!("burst: {done} streams served, {refused} refused with 503 (max_waiting 16)");
 }

@@ -21,6 +21,10 @@ use kvtier_transfer::CpuDevicePool;
 #[derive(Debug, Clone)]
 pub struct Engine {
     tx: mpsc::Sender<Command>,
+    /// Requests submitted and not yet admitted (in the command channel or the waiting
+    /// queue); the scheduler takes one off per admission.
+    queued: Arc<std::sync::atomic::AtomicUsize>,
+    max_waiting: usize,
     model: Arc<ModelConfig>,
     geometry: KvGeometry,
 }
@@ -91,13 +95,24 @@ impl Engine {
         let model_arc = Arc::new(model.clone());
         let model = Model::new(model, weights)?;
         let (tx, rx) = mpsc::channel();
-        let scheduler = Scheduler::new(model, kv, link, geometry, config.clone(), pool);
+        let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let scheduler = Scheduler::new(
+            model,
+            kv,
+            link,
+            geometry,
+            config.clone(),
+            pool,
+            Arc::clone(&queued),
+        );
         std::thread::Builder::new()
             .name("kvtier-engine".into())
             .spawn(move || scheduler.run(&rx))
             .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?;
         Ok(Self {
             tx,
+            queued,
+            max_waiting: config.max_waiting,
             model: model_arc,
             geometry,
         })
@@ -159,10 +174,24 @@ impl Engine {
             )));
         }
         req.sampling.validate()?;
+        use std::sync::atomic::Ordering;
+        let waiting = self.queued.fetch_add(1, Ordering::AcqRel);
+        if waiting >= self.max_waiting {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(EngineError::Overloaded {
+                waiting,
+                limit: self.max_waiting,
+            });
+        }
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        self.tx
+        if self
+            .tx
             .send(Command::Submit(Box::new(req), tx, Instant::now()))
-            .map_err(|_| EngineError::Stopped)?;
+            .is_err()
+        {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(EngineError::Stopped);
+        }
         Ok(rx)
     }
 
@@ -305,6 +334,51 @@ mod tests {
         let s = dev.stats().unwrap();
         assert_eq!(s.requests, 4);
         assert!(s.device_cached_blocks > 0 && s.prefill_tokens > 0);
+    }
+
+    #[test]
+    fn a_full_waiting_queue_refuses_at_once_and_every_accepted_request_ends() {
+        let model = ModelConfig::preset("tiny-moe").unwrap();
+        let weights = Weights::random(&model, 3).unwrap();
+        let e = Engine::start(
+            model,
+            weights,
+            EngineConfig {
+                block_tokens: 4,
+                device_slots: 256,
+                kv_reuse: KvReuse::Device,
+                max_running: 1,
+                max_waiting: 2,
+                ..EngineConfig::default()
+            },
+        )
+        .unwrap();
+        // The first runs 200 decode steps while the others arrive microseconds apart: one
+        // runs, two wait, the rest are refused.
+        let results: Vec<_> = (0..8u32).map(|i| e.submit(req(vec![1 + i, 2, 3], 200))).collect();
+        let refused = results
+            .iter()
+            .filter(|r| matches!(r, Err(EngineError::Overloaded { limit: 2, .. })))
+            .count();
+        assert!(refused >= 1, "{results:?}");
+        let waiting = e.stats().unwrap().waiting;
+        assert!(waiting <= 2, "{waiting} waiting");
+        for mut rx in results.into_iter().flatten() {
+            loop {
+                match rx.blocking_recv() {
+                    Some(SeqEvent::Finished { .. }) => break,
+                    Some(SeqEvent::Failed(e)) => panic!("{e}"),
+                    Some(_) => {}
+                    None => panic!("a request was dropped without an end"),
+                }
+            }
+        }
+        assert_eq!(
+            e.stats().unwrap().waiting,
+            0,
+            "nothing is left counted as waiting"
+        );
+        e.submit(req(vec![1], 1)).expect("room again");
     }
 
     #[test]

@@ -76,6 +76,10 @@ pub struct EngineConfig {
     pub max_batch_tokens: usize,
     /// Sequences running at once. Default 16.
     pub max_running: usize,
+    /// Requests waiting (submitted, not yet running) at most; past it a request is refused
+    /// at once ([`crate::EngineError::Overloaded`], HTTP 503 with `Retry-After`) instead of
+    /// waiting without bound. Default 256.
+    pub max_waiting: usize,
     /// Deadline for a kvtier load, ms. Default 10000.
     pub load_deadline_ms: u64,
     /// Wait between sidecar reconnection attempts, ms. Default 2000.
@@ -94,6 +98,7 @@ impl Default for EngineConfig {
             sidecar: None,
             max_batch_tokens: 512,
             max_running: 16,
+            max_waiting: 256,
             load_deadline_ms: 10_000,
             reconnect_ms: 2_000,
         }

@@ -48,4 +48,14 @@ pub enum EngineError {
     /// The engine stopped.
     #[error("engine stopped")]
     Stopped,
+    /// The waiting queue is full: try again shortly.
+    #[error(
+        "the engine is at capacity: {waiting} requests wait already (max_waiting {limit}); retry shortly"
+    )]
+    Overloaded {
+        /// Requests waiting now.
+        waiting: usize,
+        /// The configured bound.
+        limit: usize,
+    },
 }

@@ -80,11 +80,12 @@ impl IntoResponse for ApiError {
             s if s.is_client_error() => "invalid_request_error",
             _ => "server_error",
         };
-        (
-            self.0,
-            Json(json!({"error": {"message": self.1, "type": kind, "code": self.0.as_u16()}})),
-        )
-            .into_response()
+        let body = Json(json!({"error": {"message": self.1, "type": kind, "code": self.0.as_u16()}}));
+        if self.0 == StatusCode::SERVICE_UNAVAILABLE {
+            // Overloaded or stopping: a client may try again in a second.
+            return (self.0, [(axum::http::header::RETRY_AFTER, "1")], body).into_response();
+        }
+        (self.0, body).into_response()
     }
 }
 
@@ -92,7 +93,7 @@ impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         let code = match e {
             EngineError::BadRequest(_) | EngineError::PoolFull { .. } => StatusCode::BAD_REQUEST,
-            EngineError::Stopped => StatusCode::SERVICE_UNAVAILABLE,
+            EngineError::Stopped | EngineError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError(code, e.to_string())

@@ -98,6 +98,8 @@ pub(crate) struct Scheduler {
     next_id: u64,
     /// The (running, waiting) counts last published as gauges.
     published_sizes: (usize, usize),
+    /// Requests submitted and not yet admitted, shared with [`crate::Engine::submit`].
+    queued: Arc<std::sync::atomic::AtomicUsize>,
     _pool: Arc<CpuDevicePool>,
 }
 
@@ -111,6 +113,7 @@ impl Scheduler {
         geometry: KvGeometry,
         config: EngineConfig,
         pool: Arc<CpuDevicePool>,
+        queued: Arc<std::sync::atomic::AtomicUsize>,
     ) -> Self {
         let mut scheduler = Self {
             cache: SlotCache::new(config.device_slots, config.kv_reuse.uses_device()),
@@ -124,6 +127,7 @@ impl Scheduler {
             stats: EngineStats::default(),
             next_id: 0,
             published_sizes: (0, 0),
+            queued,
             _pool: pool,
         };
         if let Some(link) = &mut scheduler.link
@@ -186,7 +190,8 @@ impl Scheduler {
             Command::Stats(reply) => {
                 let mut s = self.stats.clone();
                 s.running = self.running.len();
-                s.waiting = self.waiting.len();
+                // What is really queued: the waiting queue and submissions not yet read.
+                s.waiting = self.queued.load(std::sync::atomic::Ordering::Acquire);
                 s.device_cached_blocks = self.cache.cached_blocks();
                 s.sidecar_connected = self.link.as_ref().is_some_and(SidecarLink::is_connected);
                 s.kv_reuse = self.config.kv_reuse;
@@ -260,6 +265,7 @@ impl Scheduler {
             let Some((req, out, arrived)) = self.waiting.pop_front() else {
                 break;
             };
+            self.queued.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
             if out.is_closed() {
                 continue;
             }
@@ -333,6 +339,7 @@ impl Scheduler {
                     self.cache.release(s);
                 }
                 self.waiting.push_front((req, seq.out, arrived));
+                self.queued.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
                 break;
             }
             seq.reserved = need;
@@ -704,7 +711,11 @@ impl Scheduler {
                 self.cache.release(slot);
             }
         }
-        // Requesters that went away.
+        // Requesters that went away: waiting ones leave the queue (and its count) at once.
+        let before = self.waiting.len();
+        self.waiting.retain(|(_, out, _)| !out.is_closed());
+        self.queued
+            .fetch_sub(before - self.waiting.len(), std::sync::atomic::Ordering::AcqRel);
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].out.is_closed() {
