@@ -6,6 +6,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Args;
 use kvtier_core::Dtype;
+use kvtier_engine::chat_template::ChatTemplate;
 use kvtier_engine::http::{AppState, router};
 use kvtier_engine::{Engine, EngineConfig, KvReuse, TextCodec, load_model};
 
@@ -86,13 +87,15 @@ impl EngineFlags {
         })
     }
 
-    /// Loads the model and starts the engine; returns it with the model's text codec.
-    pub fn start(&self) -> Result<(Engine, TextCodec)> {
+    /// Loads the model and starts the engine; returns it with the model's text codec and
+    /// chat template.
+    pub fn start(&self) -> Result<(Engine, TextCodec, ChatTemplate)> {
         let (model, weights, dir) = load_model(&self.model, self.layers, self.seed)
             .with_context(|| format!("loading model {}", self.model))?;
         let codec = TextCodec::for_model_dir(dir.as_deref())?;
+        let chat = ChatTemplate::for_model_dir(dir.as_deref())?;
         let engine = Engine::start(model, weights, self.config()?).context("starting the engine")?;
-        Ok((engine, codec))
+        Ok((engine, codec, chat))
     }
 }
 
@@ -119,17 +122,18 @@ pub fn run(a: EngineArgs) -> Result<()> {
         .install_recorder()
         .context("installing the metrics recorder")?;
     kvtier_engine::metrics::describe();
-    let (engine, codec) = a.engine.start()?;
+    let (engine, codec, chat) = a.engine.start()?;
     let policy = a.engine.kv_reuse;
     let m = engine.model();
     eprintln!(
-        "kvtier engine: model {} ({} layers, {:.2} B parameters), KV {}, reuse {:?}, tokenizer {}",
+        "kvtier engine: model {} ({} layers, {:.2} B parameters), KV {}, reuse {:?}, tokenizer {}, chat template {}",
         m.name,
         m.layers,
         m.parameters() as f64 / 1e9,
         engine.geometry(),
         policy,
         codec.name(),
+        chat.source(),
     );
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -140,6 +144,7 @@ pub fn run(a: EngineArgs) -> Result<()> {
     let state = Arc::new(AppState {
         engine,
         codec,
+        chat,
         metrics: Some(recorder),
     });
     runtime.block_on(async move {

@@ -461,3 +461,93 @@ fn stop_sequences_parameters_and_error_shapes() {
     let (status, b) = http(port, "POST", "/v1/completions", ok);
     assert_eq!(status, 200, "{b}");
 }
+
+#[test]
+fn chat_completions_render_the_template_and_stream_deltas() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_engine, port, _) = start_engine(dir.path());
+    let messages = serde_json::json!([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},
+    ]);
+    let chat = serde_json::json!({"model": "tiny-moe", "messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+    let (status, body) = http(port, "POST", "/v1/chat/completions", &chat.to_string());
+    assert_eq!(status, 200, "{body}");
+    let r = json(&body);
+    assert_eq!(r["object"], "chat.completion");
+    assert_eq!(r["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    // The presets' template is ChatML; the same prompt through /v1/completions gives the same
+    // greedy text (the byte codec: one token per byte).
+    let rendered = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n";
+    assert_eq!(r["usage"]["prompt_tokens"], rendered.len());
+    let plain =
+        serde_json::json!({"prompt": rendered, "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+    let (_, p) = http(port, "POST", "/v1/completions", &plain.to_string());
+    assert_eq!(
+        r["choices"][0]["message"]["content"],
+        json(&p)["choices"][0]["text"]
+    );
+    assert_eq!(
+        json(&p)["usage"]["prompt_tokens_details"]["cached_tokens"],
+        96,
+        "the chat's prefix is cached"
+    );
+
+    // Streamed: a role chunk, content deltas, a finishing chunk with usage; with
+    // include_usage one more without choices.
+    let mut stream = chat.clone();
+    stream["stream"] = Value::Bool(true);
+    stream["stream_options"] = serde_json::json!({"include_usage": true});
+    let (status, sse) = http(port, "POST", "/v1/chat/completions", &stream.to_string());
+    assert_eq!(status, 200, "{sse}");
+    let events: Vec<&str> = sse.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(*events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| json(e)).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(content, r["choices"][0]["message"]["content"].as_str().unwrap());
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"].as_array().unwrap().len(), 0, "{last}");
+    assert_eq!(last["usage"]["completion_tokens"], 6);
+    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "length");
+
+    for (body, needle) in [
+        (serde_json::json!({"messages": []}), "at least one message"),
+        (
+            serde_json::json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+            "only text parts",
+        ),
+        (serde_json::json!({"messages": [{"content": "x"}]}), "role"),
+        (
+            serde_json::json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
+            "tools",
+        ),
+        (
+            serde_json::json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true}),
+            "logprobs",
+        ),
+        (
+            serde_json::json!({"messages": [{"role": "user", "content": "x"}], "temperature": 3}),
+            "temperature",
+        ),
+    ] {
+        let (status, b) = http(port, "POST", "/v1/chat/completions", &body.to_string());
+        assert_eq!(status, 400, "{body}: {b}");
+        assert!(
+            json(&b)["error"]["message"].as_str().unwrap().contains(needle),
+            "{body}: {b}"
+        );
+    }
+    let (status, b) = http(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        r#"{"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}"#,
+    );
+    assert_eq!(status, 404, "{b}");
+}

@@ -23,6 +23,7 @@ use tokio_stream::StreamExt;
 
 use kvtier_core::Tier;
 
+use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::request::{CachedTokens, FinishReason, GenRequest, SeqEvent, Usage};
 use crate::sampling::Sampling;
 use crate::stop_strings::StopStrings;
@@ -36,6 +37,8 @@ pub struct AppState {
     pub engine: Engine,
     /// Text ↔ tokens.
     pub codec: TextCodec,
+    /// Conversations → prompt text, for `/v1/chat/completions`.
+    pub chat: ChatTemplate,
     /// Renders `/metrics` (engine metrics); `None` serves an empty page.
     pub metrics: Option<PrometheusHandle>,
 }
@@ -44,6 +47,7 @@ pub struct AppState {
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
         .route("/generate", post(generate))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model_by_id))
@@ -490,6 +494,238 @@ async fn completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Respons
                     ),
                     true,
                 ),
+                SeqEvent::Failed(e) => (
+                    vec![Event::default().data(json!({"error": {"message": e}}).to_string())],
+                    true,
+                ),
+            };
+            for e in out {
+                if tx.send(e).is_err() {
+                    return;
+                }
+            }
+            if end {
+                break;
+            }
+        }
+    });
+    let events = tokio_stream::wrappers::UnboundedReceiverStream::new(events).map(Ok::<_, Infallible>);
+    let done = tokio_stream::once(Ok(Event::default().data("[DONE]")));
+    Ok(Sse::new(events.chain(done)).into_response())
+}
+
+/// The fields of an OpenAI chat completion request this engine reads.
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    #[serde(default)]
+    model: Option<String>,
+    messages: Vec<Value>,
+    #[serde(default)]
+    max_tokens: Option<usize>,
+    #[serde(default)]
+    max_completion_tokens: Option<usize>,
+    #[serde(default = "one")]
+    temperature: f32,
+    #[serde(default = "one")]
+    top_p: f32,
+    #[serde(default)]
+    seed: Option<u64>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    stop: Option<Value>,
+    #[serde(default)]
+    stop_token_ids: Vec<u32>,
+    #[serde(default)]
+    min_tokens: usize,
+    #[serde(default)]
+    ignore_eos: bool,
+    #[serde(default)]
+    cache_salt: String,
+    #[serde(default)]
+    n: Option<u32>,
+}
+
+/// Fields of a chat completion request that are read.
+const CHAT_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stream",
+    "stream_options",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "ignore_eos",
+    "cache_salt",
+    "n",
+    "user",
+];
+
+fn is_null_or_empty_list(v: &Value) -> bool {
+    v.is_null() || v.as_array().is_some_and(Vec::is_empty)
+}
+
+fn is_null_or_none(v: &Value) -> bool {
+    v.is_null() || v.as_str() == Some("none")
+}
+
+fn is_null_or_text_format(v: &Value) -> bool {
+    v.is_null() || v.get("type").and_then(Value::as_str) == Some("text")
+}
+
+/// Chat parameters this engine does not implement, at their off values.
+const CHAT_NOOPS: &[Noop] = &[
+    ("logprobs", is_null_or_false),
+    ("top_logprobs", is_null_or_zero),
+    ("presence_penalty", is_null_or_zero),
+    ("frequency_penalty", is_null_or_zero),
+    ("logit_bias", is_null_or_empty),
+    ("tools", is_null_or_empty_list),
+    ("tool_choice", is_null_or_none),
+    ("parallel_tool_calls", Value::is_boolean),
+    ("response_format", is_null_or_text_format),
+];
+
+/// The conversation as text messages: `content` a string, or text parts.
+fn chat_messages(messages: &[Value]) -> Result<Vec<ChatMessage>, ApiError> {
+    if messages.is_empty() {
+        return Err(bad("messages: give at least one message"));
+    }
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let role = m
+                .get("role")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad(format!("messages[{i}].role: give a string")))?;
+            let content = match m.get("content") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => parts
+                    .iter()
+                    .map(|p| {
+                        match (
+                            p.get("type").and_then(Value::as_str),
+                            p.get("text").and_then(Value::as_str),
+                        ) {
+                            (Some("text"), Some(t)) => Ok(t),
+                            (kind, _) => Err(bad(format!(
+                                "messages[{i}].content: only text parts are supported (got {})",
+                                kind.unwrap_or("a part without a type")
+                            ))),
+                        }
+                    })
+                    .collect::<Result<String, _>>()?,
+                None | Some(Value::Null) => String::new(),
+                Some(other) => return Err(bad(format!("messages[{i}].content: give text, not {other}"))),
+            };
+            Ok(ChatMessage {
+                role: role.to_owned(),
+                content,
+            })
+        })
+        .collect()
+}
+
+async fn chat_completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Response, ApiError> {
+    check_fields(&b, CHAT_FIELDS, CHAT_NOOPS)?;
+    let r: ChatRequest = body(&b)?;
+    check_model(&s, &r.model)?;
+    if r.n.is_some_and(|n| n != 1) {
+        return Err(bad("n: only 1 completion per request is supported"));
+    }
+    let max_tokens = r
+        .max_completion_tokens
+        .or(r.max_tokens)
+        .unwrap_or(default_max_tokens());
+    check_sampling(r.temperature, r.top_p, max_tokens, "max_tokens")?;
+    let stops = stop_strings(&r.stop)?;
+    let text = s.chat.render(&chat_messages(&r.messages)?)?;
+    let prompt = s.codec.encode(&text)?;
+    let rx = s.engine.submit(GenRequest {
+        prompt,
+        max_tokens,
+        sampling: Sampling {
+            temperature: r.temperature,
+            top_p: r.top_p,
+            seed: r.seed.unwrap_or(0),
+        },
+        ignore_eos: r.ignore_eos,
+        cache_salt: r.cache_salt,
+        stop_token_ids: r.stop_token_ids,
+        min_tokens: r.min_tokens,
+        stop: stop_check(&s, &stops),
+    })?;
+    let id = format!("chat{}", request_id());
+    let model = s.engine.model().name.clone();
+    let created = now_s();
+    if !r.stream {
+        let (tokens, reason, usage) = collect(rx).await?;
+        let text = s.codec.decode(&tokens);
+        let (text, _) = stops.truncate(&text);
+        return Ok(Json(json!({
+            "id": id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null,
+                         "finish_reason": finish_str(reason)}],
+            "usage": usage_json(&usage),
+        }))
+        .into_response());
+    }
+    let include_usage = r.stream_options.is_some_and(|o| o.include_usage);
+    let chunk = move |delta: Value, finish: Option<&str>, usage: Option<&Usage>| {
+        let mut v = json!({
+            "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+        });
+        // The finishing chunk carries the usage (cached tokens by tier), as completions'
+        // does; with include_usage a last chunk without choices repeats it, as OpenAI's.
+        if let Some(u) = usage {
+            v["usage"] = usage_json(u);
+            if include_usage {
+                let mut last = v.clone();
+                last["choices"] = json!([]);
+                return vec![
+                    Event::default().data(v.to_string()),
+                    Event::default().data(last.to_string()),
+                ];
+            }
+        }
+        vec![Event::default().data(v.to_string())]
+    };
+    let state = Arc::clone(&s);
+    let (tx, events) = tokio::sync::mpsc::unbounded_channel::<Event>();
+    let mut rx = rx;
+    tokio::spawn(async move {
+        let mut detok = Detok::new(stops);
+        // The first chunk names the role, as OpenAI's do.
+        for e in chunk(json!({"role": "assistant", "content": ""}), None, None) {
+            if tx.send(e).is_err() {
+                return;
+            }
+        }
+        while let Some(ev) = rx.recv().await {
+            let (out, end) = match ev {
+                SeqEvent::Prefilled(_) => continue,
+                SeqEvent::Token(t) => (
+                    chunk(json!({"content": detok.push(&state.codec, t)}), None, None),
+                    false,
+                ),
+                SeqEvent::Finished { reason, usage } => {
+                    let rest = detok.take(&state.codec, true);
+                    let delta = if rest.is_empty() {
+                        json!({})
+                    } else {
+                        json!({"content": rest})
+                    };
+                    (chunk(delta, Some(finish_str(reason)), Some(&usage)), true)
+                }
                 SeqEvent::Failed(e) => (
                     vec![Event::default().data(json!({"error": {"message": e}}).to_string())],
                     true,

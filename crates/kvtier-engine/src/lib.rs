@@ -9,6 +9,7 @@
 //! - [`Model::forward`]: a batch of prefill chunks and decode tokens over paged KV.
 #![warn(missing_docs)]
 
+pub mod chat_template;
 mod command;
 pub mod engine;
 mod engine_config;

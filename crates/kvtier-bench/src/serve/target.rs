@@ -79,6 +79,7 @@ pub(super) fn start_embedded(
     let state = Arc::new(kvtier_engine::http::AppState {
         engine,
         codec: kvtier_engine::TextCodec::Bytes,
+        chat: kvtier_engine::chat_template::ChatTemplate::for_model_dir(None).map_err(err)?,
         metrics: None,
     });
     let listener = rt
