@@ -373,14 +373,14 @@ fn stop_sequences_parameters_and_error_shapes() {
         (
             "POST",
             "/v1/completions",
-            r#"{"prompt": "hi", "echo": true}"#,
+            r#"{"prompt": "hi", "echo": true, "logprobs": 1}"#,
             400,
             "echo",
         ),
         (
             "POST",
             "/v1/completions",
-            r#"{"prompt": "hi", "logprobs": 2}"#,
+            r#"{"prompt": "hi", "logprobs": 21}"#,
             400,
             "logprobs",
         ),
@@ -528,8 +528,8 @@ fn chat_completions_render_the_template_and_stream_deltas() {
             "tools",
         ),
         (
-            serde_json::json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true}),
-            "logprobs",
+            serde_json::json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 25}),
+            "top_logprobs",
         ),
         (
             serde_json::json!({"messages": [{"role": "user", "content": "x"}], "temperature": 3}),
@@ -550,4 +550,115 @@ fn chat_completions_render_the_template_and_stream_deltas() {
         r#"{"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}"#,
     );
     assert_eq!(status, 404, "{b}");
+}
+
+#[test]
+fn logprobs_come_from_the_model_and_echo_returns_the_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_engine, port, _) = start_engine(dir.path());
+    let prompt = "The quick brown fox";
+    let req = serde_json::json!({"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": true, "logprobs": 3});
+    let (status, body) = http(port, "POST", "/v1/completions", &req.to_string());
+    assert_eq!(status, 200, "{body}");
+    let r = json(&body);
+    let lp = &r["choices"][0]["logprobs"];
+    let tokens = lp["tokens"].as_array().unwrap();
+    assert_eq!(tokens.len(), 5, "{lp}");
+    let text: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(
+        text,
+        r["choices"][0]["text"].as_str().unwrap(),
+        "tokens spell the text (byte codec)"
+    );
+    for (i, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
+        let top = top.as_object().unwrap();
+        assert!(!top.is_empty() && top.len() <= 3, "{top:?}");
+        let chosen = lp["token_logprobs"][i].as_f64().unwrap();
+        let best = top
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .fold(f64::NEG_INFINITY, f64::max);
+        assert!(chosen <= 0.0);
+        // Greedy draws the most likely token (alternatives that decode to the same text share
+        // one key, so the chosen one may not be listed under its own).
+        assert!(
+            chosen >= best - 1e-4,
+            "greedy draws the most likely token: {chosen} vs {best}"
+        );
+        assert!(top.values().map(|v| v.as_f64().unwrap().exp()).sum::<f64>() <= 1.0 + 1e-4);
+        let offset = |i: usize| lp["text_offset"][i].as_u64().unwrap();
+        assert!(
+            i == 0 && offset(0) == 0 || i > 0 && offset(i) >= offset(i - 1),
+            "{lp}"
+        );
+    }
+    // Streamed: each token's chunk carries its logprobs.
+    let mut stream = req.clone();
+    stream["stream"] = Value::Bool(true);
+    let (_, sse) = http(port, "POST", "/v1/completions", &stream.to_string());
+    let streamed: Vec<f64> = sse
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|e| *e != "[DONE]")
+        .filter_map(|e| json(e)["choices"][0]["logprobs"]["token_logprobs"][0].as_f64())
+        .collect();
+    let whole: Vec<f64> = lp["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!(streamed.len(), 5);
+    for (a, b) in streamed.iter().zip(&whole) {
+        assert!((a - b).abs() < 1e-5, "{streamed:?} vs {whole:?}");
+    }
+
+    // Chat: logprobs.content per token with top_logprobs.
+    let chat = serde_json::json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+        "ignore_eos": true, "logprobs": true, "top_logprobs": 2});
+    let (status, body) = http(port, "POST", "/v1/chat/completions", &chat.to_string());
+    assert_eq!(status, 200, "{body}");
+    let content = json(&body)["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(content.len(), 4);
+    for c in &content {
+        let top = c["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2);
+        assert!(c["logprob"].as_f64().unwrap() >= top[0]["logprob"].as_f64().unwrap() - 1e-4);
+        assert!(c["bytes"].is_array());
+    }
+    let (status, b) = http(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        r#"{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}"#,
+    );
+    assert_eq!(status, 400, "{b}");
+
+    // echo: the prompt's text, then the completion.
+    let echo = serde_json::json!({"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": true, "echo": true});
+    let (_, body) = http(port, "POST", "/v1/completions", &echo.to_string());
+    assert!(
+        json(&body)["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with(prompt),
+        "{body}"
+    );
+    let (status, _) = http(
+        port,
+        "POST",
+        "/v1/completions",
+        &serde_json::json!({"prompt": prompt, "echo": true, "logprobs": 1}).to_string(),
+    );
+    assert_eq!(status, 400);
+    let (status, _) = http(
+        port,
+        "POST",
+        "/v1/completions",
+        &serde_json::json!({"prompt": prompt, "logprobs": 21}).to_string(),
+    );
+    assert_eq!(status, 400);
 }

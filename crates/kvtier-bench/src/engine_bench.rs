@@ -260,7 +260,9 @@ pub fn run_engine_bench(
                 match ev {
                     kvtier_engine::SeqEvent::Finished { .. } => break,
                     kvtier_engine::SeqEvent::Failed(e) => return Err(err(e)),
-                    kvtier_engine::SeqEvent::Token(_) | kvtier_engine::SeqEvent::Prefilled(_) => {}
+                    kvtier_engine::SeqEvent::Token(_)
+                    | kvtier_engine::SeqEvent::Prefilled(_)
+                    | kvtier_engine::SeqEvent::Logprobs(_) => {}
                 }
             }
             step(progress);

@@ -174,6 +174,14 @@ impl Engine {
             )));
         }
         req.sampling.validate()?;
+        if let Some(n) = req.logprobs
+            && n > crate::request::MAX_TOP_LOGPROBS
+        {
+            return Err(EngineError::BadRequest(format!(
+                "logprobs: at most {} alternatives per token ({n} asked)",
+                crate::request::MAX_TOP_LOGPROBS
+            )));
+        }
         use std::sync::atomic::Ordering;
         let waiting = self.queued.fetch_add(1, Ordering::AcqRel);
         if waiting >= self.max_waiting {
@@ -204,7 +212,7 @@ impl Engine {
         let mut tokens = Vec::new();
         loop {
             match rx.blocking_recv() {
-                Some(SeqEvent::Prefilled(_)) => {}
+                Some(SeqEvent::Prefilled(_) | SeqEvent::Logprobs(_)) => {}
                 Some(SeqEvent::Token(t)) => tokens.push(t),
                 Some(SeqEvent::Finished { usage, .. }) => return Ok((tokens, usage)),
                 Some(SeqEvent::Failed(e)) => return Err(EngineError::BadRequest(e)),
@@ -405,7 +413,7 @@ mod tests {
             let mut got = Vec::new();
             while let Some(ev) = rx.blocking_recv() {
                 match ev {
-                    SeqEvent::Prefilled(_) => {}
+                    SeqEvent::Prefilled(_) | SeqEvent::Logprobs(_) => {}
                     SeqEvent::Token(t) => got.push(t),
                     SeqEvent::Finished { .. } => break,
                     SeqEvent::Failed(e) => panic!("{e}"),

@@ -24,7 +24,9 @@ use tokio_stream::StreamExt;
 use kvtier_core::Tier;
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
-use crate::request::{CachedTokens, FinishReason, GenRequest, SeqEvent, Usage};
+use crate::request::{
+    CachedTokens, FinishReason, GenRequest, MAX_TOP_LOGPROBS, SeqEvent, TokenLogprobs, Usage,
+};
 use crate::sampling::Sampling;
 use crate::stop_strings::StopStrings;
 use crate::text_codec::TextCodec;
@@ -159,8 +161,6 @@ fn is_null_or_empty(v: &Value) -> bool {
 /// Parameters of OpenAI's completion API this engine does not implement, with the value at
 /// which each changes nothing.
 const COMPLETION_NOOPS: &[Noop] = &[
-    ("echo", is_null_or_false),
-    ("logprobs", Value::is_null),
     ("best_of", is_null_or_one),
     ("suffix", is_null_or_empty),
     ("presence_penalty", is_null_or_zero),
@@ -255,6 +255,20 @@ struct CompletionRequest {
     min_tokens: usize,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
+    /// Each token's log-probability and this many alternatives.
+    #[serde(default)]
+    logprobs: Option<usize>,
+    /// Return the prompt's text before the completion.
+    #[serde(default)]
+    echo: bool,
+}
+
+/// `logprobs` / `top_logprobs` within what the engine returns.
+fn check_logprobs(n: Option<usize>, key: &str) -> Result<(), ApiError> {
+    match n {
+        Some(n) if n > MAX_TOP_LOGPROBS => Err(bad(format!("{key} = {n}: give 0 to {MAX_TOP_LOGPROBS}"))),
+        _ => Ok(()),
+    }
 }
 
 /// OpenAI's `stream_options`.
@@ -282,6 +296,8 @@ const COMPLETION_FIELDS: &[&str] = &[
     "stop_token_ids",
     "min_tokens",
     "stream_options",
+    "logprobs",
+    "echo",
     // An end-user id for the operator's logs; it changes nothing in the output.
     "user",
 ];
@@ -353,17 +369,75 @@ fn request_id() -> String {
 }
 
 /// Runs to the end: tokens, finish reason and usage.
-async fn collect(mut rx: UnboundedReceiver<SeqEvent>) -> Result<(Vec<u32>, FinishReason, Usage), ApiError> {
-    let mut tokens = Vec::new();
+/// A request run to its end.
+struct Collected {
+    tokens: Vec<u32>,
+    /// Per token, when asked for.
+    logprobs: Vec<TokenLogprobs>,
+    reason: FinishReason,
+    usage: Usage,
+}
+
+async fn collect(mut rx: UnboundedReceiver<SeqEvent>) -> Result<Collected, ApiError> {
+    let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
     while let Some(ev) = rx.recv().await {
         match ev {
             SeqEvent::Prefilled(_) => {}
+            SeqEvent::Logprobs(lp) => logprobs.push(lp),
             SeqEvent::Token(t) => tokens.push(t),
-            SeqEvent::Finished { reason, usage } => return Ok((tokens, reason, usage)),
+            SeqEvent::Finished { reason, usage } => {
+                return Ok(Collected {
+                    tokens,
+                    logprobs,
+                    reason,
+                    usage,
+                });
+            }
             SeqEvent::Failed(e) => return Err(bad(e)),
         }
     }
     Err(EngineError::Stopped.into())
+}
+
+/// A token as text (one token may be part of a character: then U+FFFD).
+fn token_str(codec: &TextCodec, t: u32) -> String {
+    codec.decode(&[t])
+}
+
+/// OpenAI's completions `logprobs` object for `lps`, whose text starts at `offset`.
+fn completion_logprobs(codec: &TextCodec, lps: &[TokenLogprobs], mut offset: usize) -> Value {
+    let (mut tokens, mut token_logprobs, mut top, mut offsets) = (vec![], vec![], vec![], vec![]);
+    for lp in lps {
+        let t = token_str(codec, lp.token);
+        offsets.push(offset);
+        offset += t.len();
+        tokens.push(t);
+        token_logprobs.push(lp.logprob);
+        let alts: serde_json::Map<String, Value> = lp
+            .top
+            .iter()
+            .map(|(id, l)| (token_str(codec, *id), json!(l)))
+            .collect();
+        top.push(Value::Object(alts));
+    }
+    json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
+}
+
+/// OpenAI's chat `logprobs.content` entries for `lps`.
+fn chat_logprobs(codec: &TextCodec, lps: &[TokenLogprobs]) -> Value {
+    let entry = |id: u32, l: f32| {
+        let t = token_str(codec, id);
+        json!({"token": t, "logprob": l, "bytes": t.as_bytes()})
+    };
+    let content: Vec<Value> = lps
+        .iter()
+        .map(|lp| {
+            let mut e = entry(lp.token, lp.logprob);
+            e["top_logprobs"] = lp.top.iter().map(|(id, l)| entry(*id, *l)).collect();
+            e
+        })
+        .collect();
+    json!({"content": content})
 }
 
 /// Text appended by the newest token (decoding the whole output keeps multi-token
@@ -423,8 +497,19 @@ async fn completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Respons
         return Err(bad("n: only 1 completion per request is supported"));
     }
     check_sampling(r.temperature, r.top_p, r.max_tokens, "max_tokens")?;
+    check_logprobs(r.logprobs, "logprobs")?;
+    if r.echo && r.logprobs.is_some() {
+        return Err(bad(
+            "echo with logprobs is not supported: the prompt's log-probabilities are not computed",
+        ));
+    }
     let stops = stop_strings(&r.stop)?;
     let prompt = prompt_ids(&s.codec, &r.prompt)?;
+    let echo = if r.echo {
+        s.codec.decode(&prompt)
+    } else {
+        String::new()
+    };
     let rx = s.engine.submit(GenRequest {
         prompt,
         max_tokens: r.max_tokens,
@@ -438,28 +523,35 @@ async fn completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Respons
         stop_token_ids: r.stop_token_ids,
         min_tokens: r.min_tokens,
         stop: stop_check(&s, &stops),
+        logprobs: r.logprobs,
     })?;
     let id = request_id();
     let model = s.engine.model().name.clone();
     let created = now_s();
+    let want_logprobs = r.logprobs.is_some();
     if !r.stream {
-        let (tokens, reason, usage) = collect(rx).await?;
-        let text = s.codec.decode(&tokens);
+        let c = collect(rx).await?;
+        let text = s.codec.decode(&c.tokens);
         let (text, _) = stops.truncate(&text);
+        let logprobs = if want_logprobs {
+            completion_logprobs(&s.codec, &c.logprobs, 0)
+        } else {
+            Value::Null
+        };
         return Ok(Json(json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_str(reason)}],
-            "usage": usage_json(&usage),
+            "choices": [{"index": 0, "text": format!("{echo}{text}"), "logprobs": logprobs, "finish_reason": finish_str(c.reason)}],
+            "usage": usage_json(&c.usage),
         }))
         .into_response());
     }
     let state = Arc::clone(&s);
     let mut detok = Detok::new(stops);
     let include_usage = r.stream_options.is_some_and(|o| o.include_usage);
-    let chunk = move |text: String, finish: Option<&str>, usage: Option<&Usage>| {
+    let chunk = move |text: String, logprobs: Value, finish: Option<&str>, usage: Option<&Usage>| {
         let mut v = json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
         });
         let mut events = Vec::with_capacity(2);
         if let Some(u) = usage {
@@ -480,15 +572,38 @@ async fn completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Respons
     let (tx, events) = tokio::sync::mpsc::unbounded_channel::<Event>();
     let mut rx = rx;
     tokio::spawn(async move {
+        let mut pending: Option<TokenLogprobs> = None;
+        let mut offset = 0;
+        if !echo.is_empty() {
+            offset = echo.len();
+            if tx.send(chunk(echo, Value::Null, None, None).remove(0)).is_err() {
+                return;
+            }
+        }
         while let Some(ev) = rx.recv().await {
             let (out, end) = match ev {
                 SeqEvent::Prefilled(_) => continue,
+                SeqEvent::Logprobs(lp) => {
+                    pending = Some(lp);
+                    continue;
+                }
                 // One chunk per token (its text may be empty: a partial character, or text a
                 // stop string could still begin with, held back).
-                SeqEvent::Token(t) => (chunk(detok.push(&state.codec, t), None, None), false),
+                SeqEvent::Token(t) => {
+                    let lp = match pending.take() {
+                        Some(lp) => {
+                            let v = completion_logprobs(&state.codec, std::slice::from_ref(&lp), offset);
+                            offset += token_str(&state.codec, lp.token).len();
+                            v
+                        }
+                        None => Value::Null,
+                    };
+                    (chunk(detok.push(&state.codec, t), lp, None, None), false)
+                }
                 SeqEvent::Finished { reason, usage } => (
                     chunk(
                         detok.take(&state.codec, true),
+                        Value::Null,
                         Some(finish_str(reason)),
                         Some(&usage),
                     ),
@@ -546,6 +661,10 @@ struct ChatRequest {
     cache_salt: String,
     #[serde(default)]
     n: Option<u32>,
+    #[serde(default)]
+    logprobs: Option<bool>,
+    #[serde(default)]
+    top_logprobs: Option<usize>,
 }
 
 /// Fields of a chat completion request that are read.
@@ -566,6 +685,8 @@ const CHAT_FIELDS: &[&str] = &[
     "cache_salt",
     "n",
     "user",
+    "logprobs",
+    "top_logprobs",
 ];
 
 fn is_null_or_empty_list(v: &Value) -> bool {
@@ -582,8 +703,6 @@ fn is_null_or_text_format(v: &Value) -> bool {
 
 /// Chat parameters this engine does not implement, at their off values.
 const CHAT_NOOPS: &[Noop] = &[
-    ("logprobs", is_null_or_false),
-    ("top_logprobs", is_null_or_zero),
     ("presence_penalty", is_null_or_zero),
     ("frequency_penalty", is_null_or_zero),
     ("logit_bias", is_null_or_empty),
@@ -646,6 +765,12 @@ async fn chat_completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Re
         .or(r.max_tokens)
         .unwrap_or(default_max_tokens());
     check_sampling(r.temperature, r.top_p, max_tokens, "max_tokens")?;
+    check_logprobs(r.top_logprobs, "top_logprobs")?;
+    let logprobs = match (r.logprobs.unwrap_or(false), r.top_logprobs) {
+        (true, top) => Some(top.unwrap_or(0)),
+        (false, None | Some(0)) => None,
+        (false, Some(_)) => return Err(bad("top_logprobs needs logprobs: true")),
+    };
     let stops = stop_strings(&r.stop)?;
     let text = s.chat.render(&chat_messages(&r.messages)?)?;
     let prompt = s.codec.encode(&text)?;
@@ -662,27 +787,33 @@ async fn chat_completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Re
         stop_token_ids: r.stop_token_ids,
         min_tokens: r.min_tokens,
         stop: stop_check(&s, &stops),
+        logprobs,
     })?;
     let id = format!("chat{}", request_id());
     let model = s.engine.model().name.clone();
     let created = now_s();
     if !r.stream {
-        let (tokens, reason, usage) = collect(rx).await?;
-        let text = s.codec.decode(&tokens);
+        let c = collect(rx).await?;
+        let text = s.codec.decode(&c.tokens);
         let (text, _) = stops.truncate(&text);
+        let lp = if logprobs.is_some() {
+            chat_logprobs(&s.codec, &c.logprobs)
+        } else {
+            Value::Null
+        };
         return Ok(Json(json!({
             "id": id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null,
-                         "finish_reason": finish_str(reason)}],
-            "usage": usage_json(&usage),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                         "finish_reason": finish_str(c.reason)}],
+            "usage": usage_json(&c.usage),
         }))
         .into_response());
     }
     let include_usage = r.stream_options.is_some_and(|o| o.include_usage);
-    let chunk = move |delta: Value, finish: Option<&str>, usage: Option<&Usage>| {
+    let chunk = move |delta: Value, logprobs: Value, finish: Option<&str>, usage: Option<&Usage>| {
         let mut v = json!({
             "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
         });
         // The finishing chunk carries the usage (cached tokens by tier), as completions'
         // does; with include_usage a last chunk without choices repeats it, as OpenAI's.
@@ -705,18 +836,33 @@ async fn chat_completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Re
     tokio::spawn(async move {
         let mut detok = Detok::new(stops);
         // The first chunk names the role, as OpenAI's do.
-        for e in chunk(json!({"role": "assistant", "content": ""}), None, None) {
+        for e in chunk(
+            json!({"role": "assistant", "content": ""}),
+            Value::Null,
+            None,
+            None,
+        ) {
             if tx.send(e).is_err() {
                 return;
             }
         }
+        let mut pending: Option<TokenLogprobs> = None;
         while let Some(ev) = rx.recv().await {
             let (out, end) = match ev {
                 SeqEvent::Prefilled(_) => continue,
-                SeqEvent::Token(t) => (
-                    chunk(json!({"content": detok.push(&state.codec, t)}), None, None),
-                    false,
-                ),
+                SeqEvent::Logprobs(lp) => {
+                    pending = Some(lp);
+                    continue;
+                }
+                SeqEvent::Token(t) => {
+                    let lp = pending.take().map_or(Value::Null, |lp| {
+                        chat_logprobs(&state.codec, std::slice::from_ref(&lp))
+                    });
+                    (
+                        chunk(json!({"content": detok.push(&state.codec, t)}), lp, None, None),
+                        false,
+                    )
+                }
                 SeqEvent::Finished { reason, usage } => {
                     let rest = detok.take(&state.codec, true);
                     let delta = if rest.is_empty() {
@@ -724,7 +870,10 @@ async fn chat_completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Re
                     } else {
                         json!({"content": rest})
                     };
-                    (chunk(delta, Some(finish_str(reason)), Some(&usage)), true)
+                    (
+                        chunk(delta, Value::Null, Some(finish_str(reason)), Some(&usage)),
+                        true,
+                    )
                 }
                 SeqEvent::Failed(e) => (
                     vec![Event::default().data(json!({"error": {"message": e}}).to_string())],
@@ -916,16 +1065,17 @@ async fn generate(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Response, 
         stop_token_ids: p.stop_token_ids,
         min_tokens: p.min_new_tokens,
         stop: stop_check(&s, &stops),
+        logprobs: None,
     })?;
     let id = r.rid.unwrap_or_else(request_id);
     if !r.stream {
-        let (tokens, reason, usage) = collect(rx).await?;
-        let text = s.codec.decode(&tokens);
+        let c = collect(rx).await?;
+        let text = s.codec.decode(&c.tokens);
         let (text, _) = stops.truncate(&text);
         return Ok(Json(json!({
             "text": text,
-            "output_ids": tokens,
-            "meta_info": meta_info(&id, prompt_tokens, tokens.len(), None, Some((reason, &usage))),
+            "output_ids": c.tokens,
+            "meta_info": meta_info(&id, prompt_tokens, c.tokens.len(), None, Some((c.reason, &c.usage))),
         }))
         .into_response());
     }
@@ -944,6 +1094,7 @@ async fn generate(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Response, 
                     cached = Some(c);
                     continue;
                 }
+                SeqEvent::Logprobs(_) => continue,
                 SeqEvent::Token(t) => {
                     ids.push(t);
                     text.push_str(&detok.push(&state.codec, t));

@@ -43,6 +43,50 @@ pub struct GenRequest {
     pub min_tokens: usize,
     /// Stop sequences checked on the output (`finish_reason` `stop`).
     pub stop: Option<StopCheck>,
+    /// Send each token's log-probability and this many most likely alternatives
+    /// ([`SeqEvent::Logprobs`] before its [`SeqEvent::Token`]); `None` sends none.
+    pub logprobs: Option<usize>,
+}
+
+/// Most alternatives a request may ask for per token.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A generated token's log-probability under the model's distribution (the logits before
+/// temperature, as vLLM reports by default) and the most likely tokens at that position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The token drawn.
+    pub token: u32,
+    /// Its natural log-probability.
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// Log-softmax of `logits` at `token`, and the `top` most likely tokens.
+    ///
+    /// Cost: two passes over the vocabulary and a partial selection of `top`.
+    pub fn of(logits: &[f32], token: u32, top: usize) -> Self {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+        let norm = max + sum.ln() as f32;
+        let at = |t: u32| logits.get(t as usize).map_or(f32::NEG_INFINITY, |l| l - norm);
+        let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+        let top = top.min(ids.len());
+        if top > 0 && top < ids.len() {
+            ids.select_nth_unstable_by(top - 1, |a, b| {
+                logits[*b as usize].total_cmp(&logits[*a as usize])
+            });
+        }
+        ids.truncate(top);
+        ids.sort_by(|a, b| logits[*b as usize].total_cmp(&logits[*a as usize]));
+        Self {
+            token,
+            logprob: at(token),
+            top: ids.into_iter().map(|t| (t, at(t))).collect(),
+        }
+    }
 }
 
 /// Prompt tokens served from each place.
@@ -136,6 +180,8 @@ pub enum SeqEvent {
     /// The prompt is computed (or loaded): where its cached tokens came from. Sent once,
     /// right before the first token.
     Prefilled(CachedTokens),
+    /// The log-probabilities of the token that follows, when the request asked for them.
+    Logprobs(TokenLogprobs),
     /// The next token.
     Token(u32),
     /// Generation ended.
@@ -147,4 +193,21 @@ pub enum SeqEvent {
     },
     /// The request could not be served (the message says why).
     Failed(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logprobs_are_the_log_softmax_and_the_top_tokens_in_order() {
+        // Probabilities 1/6, 2/6, 3/6.
+        let logits = [0.0f32, 2f32.ln(), 3f32.ln()];
+        let lp = TokenLogprobs::of(&logits, 1, 2);
+        assert!((lp.logprob - (2.0f32 / 6.0).ln()).abs() < 1e-5, "{lp:?}");
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
+        assert!((lp.top[0].1 - 0.5f32.ln()).abs() < 1e-5);
+        assert!(TokenLogprobs::of(&logits, 0, 0).top.is_empty());
+        assert_eq!(TokenLogprobs::of(&logits, 0, 9).top.len(), 3);
+    }
 }

@@ -43,6 +43,7 @@ struct Seq {
     stop_token_ids: Vec<u32>,
     min_tokens: usize,
     stop: Option<crate::request::StopCheck>,
+    logprobs: Option<usize>,
     sampler: Sampler,
     salt: String,
     hasher: BlockHasher,
@@ -305,6 +306,7 @@ impl Scheduler {
                 stop_token_ids: req.stop_token_ids.clone(),
                 min_tokens: req.min_tokens,
                 stop: req.stop.clone(),
+                logprobs: req.logprobs,
                 sampler: Sampler::new(req.sampling),
                 salt: req.cache_salt.clone(),
                 hasher: BlockHasher::new(ns, self.geometry.block_tokens()),
@@ -648,6 +650,12 @@ impl Scheduler {
         s.tokens.push(token);
         if decode {
             self.stats.decode_tokens += 1;
+        }
+        if let Some(top) = s.logprobs {
+            let lp = crate::request::TokenLogprobs::of(logits, token, top);
+            if s.out.send(SeqEvent::Logprobs(lp)).is_err() {
+                return true;
+            }
         }
         if s.out.send(SeqEvent::Token(token)).is_err() {
             return true; // the requester went away
