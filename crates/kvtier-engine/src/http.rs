@@ -110,26 +110,30 @@ fn bad(msg: impl Into<String>) -> ApiError {
     ApiError(StatusCode::BAD_REQUEST, msg.into())
 }
 
-/// Parses a JSON body (whatever the Content-Type says: many clients omit it).
-fn body<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, ApiError> {
-    let v: Value = serde_json::from_slice(b).map_err(|e| bad(format!("the body is not JSON: {e}")))?;
-    if !v.is_object() {
-        return Err(bad("the body must be a JSON object"));
-    }
-    serde_json::from_value(v).map_err(|e| bad(format!("bad request body: {e}")))
-}
-
-/// Checks a request body's field names: every one is read by this engine (`read`), or is one
-/// it does not implement, accepted only at the value that changes nothing (`noop`). Anything
-/// else is a 400 naming the field: nothing is accepted and silently ignored.
 /// A parameter this engine does not implement, and the test for the value that changes nothing.
 type Noop = (&'static str, fn(&Value) -> bool);
 
-fn check_fields(b: &[u8], read: &[&str], noop: &[Noop]) -> Result<(), ApiError> {
-    let Ok(Value::Object(m)) = serde_json::from_slice::<Value>(b) else {
-        return Ok(()); // body() reports it
+/// Parses a JSON body (whatever the Content-Type says: many clients omit it) and checks its
+/// field names with [`check_fields`]; returns the request and the parsed object.
+fn body<T: serde::de::DeserializeOwned>(
+    b: &[u8],
+    read: &[&str],
+    noop: &[Noop],
+) -> Result<(T, Value), ApiError> {
+    let v: Value = serde_json::from_slice(b).map_err(|e| bad(format!("the body is not JSON: {e}")))?;
+    let Value::Object(m) = &v else {
+        return Err(bad("the body must be a JSON object"));
     };
-    for (k, v) in &m {
+    check_fields(m, read, noop)?;
+    let r = T::deserialize(&v).map_err(|e| bad(format!("bad request body: {e}")))?;
+    Ok((r, v))
+}
+
+/// Checks an object's field names: every one is read by this engine (`read`), or is one it
+/// does not implement, accepted only at the value that changes nothing (`noop`). Anything
+/// else is a 400 naming the field: nothing is accepted and silently ignored.
+fn check_fields(m: &serde_json::Map<String, Value>, read: &[&str], noop: &[Noop]) -> Result<(), ApiError> {
+    for (k, v) in m {
         if read.contains(&k.as_str()) {
             continue;
         }
@@ -440,6 +444,60 @@ fn chat_logprobs(codec: &TextCodec, lps: &[TokenLogprobs]) -> Value {
     json!({"content": content})
 }
 
+/// Streams a request as SSE: `to_sse` turns each engine event into the events to send (none
+/// for some); a failure sends an error event. A task does the work, so a client that goes
+/// away ends it at its next send, dropping `rx`, which frees the sequence in the engine.
+/// `first` goes out before any engine event, `[DONE]` after the last.
+fn sse(
+    mut rx: UnboundedReceiver<SeqEvent>,
+    first: Vec<Event>,
+    mut to_sse: impl FnMut(SeqEvent) -> Vec<Event> + Send + 'static,
+) -> Response {
+    let (tx, events) = tokio::sync::mpsc::unbounded_channel::<Event>();
+    tokio::spawn(async move {
+        for e in first {
+            if tx.send(e).is_err() {
+                return;
+            }
+        }
+        while let Some(ev) = rx.recv().await {
+            let end = matches!(ev, SeqEvent::Finished { .. } | SeqEvent::Failed(_));
+            let out = match ev {
+                SeqEvent::Failed(e) => {
+                    vec![Event::default().data(json!({"error": {"message": e}}).to_string())]
+                }
+                ev => to_sse(ev),
+            };
+            for e in out {
+                if tx.send(e).is_err() {
+                    return;
+                }
+            }
+            if end {
+                break;
+            }
+        }
+    });
+    let events = tokio_stream::wrappers::UnboundedReceiverStream::new(events).map(Ok::<_, Infallible>);
+    let done = tokio_stream::once(Ok(Event::default().data("[DONE]")));
+    Sse::new(events.chain(done)).into_response()
+}
+
+/// A streamed chunk as events: the finishing one (with `usage`) carries the usage (cached
+/// tokens by tier); with `include_usage` a last chunk without choices repeats it, as OpenAI's.
+fn finishing(mut v: Value, usage: Option<&Usage>, include_usage: bool) -> Vec<Event> {
+    let Some(u) = usage else {
+        return vec![Event::default().data(v.to_string())];
+    };
+    v["usage"] = usage_json(u);
+    let mut events = vec![Event::default().data(v.to_string())];
+    if include_usage {
+        v["choices"] = json!([]);
+        events.push(Event::default().data(v.to_string()));
+    }
+    events
+}
+
 /// Text appended by the newest token (decoding the whole output keeps multi-token
 /// characters whole), ending before any stop string and holding back what a stop string
 /// could still begin with.
@@ -490,8 +548,7 @@ impl Detok {
 }
 
 async fn completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Response, ApiError> {
-    check_fields(&b, COMPLETION_FIELDS, COMPLETION_NOOPS)?;
-    let r: CompletionRequest = body(&b)?;
+    let (r, _): (CompletionRequest, _) = body(&b, COMPLETION_FIELDS, COMPLETION_NOOPS)?;
     check_model(&s, &r.model)?;
     if r.n.is_some_and(|n| n != 1) {
         return Err(bad("n: only 1 completion per request is supported"));
@@ -549,84 +606,45 @@ async fn completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Respons
     let mut detok = Detok::new(stops);
     let include_usage = r.stream_options.is_some_and(|o| o.include_usage);
     let chunk = move |text: String, logprobs: Value, finish: Option<&str>, usage: Option<&Usage>| {
-        let mut v = json!({
+        let v = json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
         });
-        let mut events = Vec::with_capacity(2);
-        if let Some(u) = usage {
-            v["usage"] = usage_json(u);
-            if include_usage {
-                let mut last = v.clone();
-                last["choices"] = json!([]);
-                events.push(Event::default().data(v.to_string()));
-                events.push(Event::default().data(last.to_string()));
-                return events;
-            }
-        }
-        events.push(Event::default().data(v.to_string()));
-        events
+        finishing(v, usage, include_usage)
     };
-    // A task turns engine events into SSE events (the end may send two); when the client goes away its sends fail, the task ends and drops `rx`,
-    // which frees the sequence in the engine.
-    let (tx, events) = tokio::sync::mpsc::unbounded_channel::<Event>();
-    let mut rx = rx;
-    tokio::spawn(async move {
-        let mut pending: Option<TokenLogprobs> = None;
-        let mut offset = 0;
-        if !echo.is_empty() {
-            offset = echo.len();
-            if tx.send(chunk(echo, Value::Null, None, None).remove(0)).is_err() {
-                return;
-            }
+    let mut offset = echo.len();
+    let first = if echo.is_empty() {
+        Vec::new()
+    } else {
+        chunk(echo, Value::Null, None, None)
+    };
+    let mut pending: Option<TokenLogprobs> = None;
+    Ok(sse(rx, first, move |ev| match ev {
+        SeqEvent::Logprobs(lp) => {
+            pending = Some(lp);
+            Vec::new()
         }
-        while let Some(ev) = rx.recv().await {
-            let (out, end) = match ev {
-                SeqEvent::Prefilled(_) => continue,
-                SeqEvent::Logprobs(lp) => {
-                    pending = Some(lp);
-                    continue;
+        // One chunk per token (its text may be empty: a partial character, or text a stop
+        // string could still begin with, held back).
+        SeqEvent::Token(t) => {
+            let lp = match pending.take() {
+                Some(lp) => {
+                    let v = completion_logprobs(&state.codec, std::slice::from_ref(&lp), offset);
+                    offset += token_str(&state.codec, lp.token).len();
+                    v
                 }
-                // One chunk per token (its text may be empty: a partial character, or text a
-                // stop string could still begin with, held back).
-                SeqEvent::Token(t) => {
-                    let lp = match pending.take() {
-                        Some(lp) => {
-                            let v = completion_logprobs(&state.codec, std::slice::from_ref(&lp), offset);
-                            offset += token_str(&state.codec, lp.token).len();
-                            v
-                        }
-                        None => Value::Null,
-                    };
-                    (chunk(detok.push(&state.codec, t), lp, None, None), false)
-                }
-                SeqEvent::Finished { reason, usage } => (
-                    chunk(
-                        detok.take(&state.codec, true),
-                        Value::Null,
-                        Some(finish_str(reason)),
-                        Some(&usage),
-                    ),
-                    true,
-                ),
-                SeqEvent::Failed(e) => (
-                    vec![Event::default().data(json!({"error": {"message": e}}).to_string())],
-                    true,
-                ),
+                None => Value::Null,
             };
-            for e in out {
-                if tx.send(e).is_err() {
-                    return;
-                }
-            }
-            if end {
-                break;
-            }
+            chunk(detok.push(&state.codec, t), lp, None, None)
         }
-    });
-    let events = tokio_stream::wrappers::UnboundedReceiverStream::new(events).map(Ok::<_, Infallible>);
-    let done = tokio_stream::once(Ok(Event::default().data("[DONE]")));
-    Ok(Sse::new(events.chain(done)).into_response())
+        SeqEvent::Finished { reason, usage } => chunk(
+            detok.take(&state.codec, true),
+            Value::Null,
+            Some(finish_str(reason)),
+            Some(&usage),
+        ),
+        SeqEvent::Prefilled(_) | SeqEvent::Failed(_) => Vec::new(),
+    }))
 }
 
 /// The fields of an OpenAI chat completion request this engine reads.
@@ -754,8 +772,7 @@ fn chat_messages(messages: &[Value]) -> Result<Vec<ChatMessage>, ApiError> {
 }
 
 async fn chat_completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Response, ApiError> {
-    check_fields(&b, CHAT_FIELDS, CHAT_NOOPS)?;
-    let r: ChatRequest = body(&b)?;
+    let (r, _): (ChatRequest, _) = body(&b, CHAT_FIELDS, CHAT_NOOPS)?;
     check_model(&s, &r.model)?;
     if r.n.is_some_and(|n| n != 1) {
         return Err(bad("n: only 1 completion per request is supported"));
@@ -811,88 +828,44 @@ async fn chat_completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Re
     }
     let include_usage = r.stream_options.is_some_and(|o| o.include_usage);
     let chunk = move |delta: Value, logprobs: Value, finish: Option<&str>, usage: Option<&Usage>| {
-        let mut v = json!({
+        let v = json!({
             "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
         });
-        // The finishing chunk carries the usage (cached tokens by tier), as completions'
-        // does; with include_usage a last chunk without choices repeats it, as OpenAI's.
-        if let Some(u) = usage {
-            v["usage"] = usage_json(u);
-            if include_usage {
-                let mut last = v.clone();
-                last["choices"] = json!([]);
-                return vec![
-                    Event::default().data(v.to_string()),
-                    Event::default().data(last.to_string()),
-                ];
-            }
-        }
-        vec![Event::default().data(v.to_string())]
+        finishing(v, usage, include_usage)
     };
     let state = Arc::clone(&s);
-    let (tx, events) = tokio::sync::mpsc::unbounded_channel::<Event>();
-    let mut rx = rx;
-    tokio::spawn(async move {
-        let mut detok = Detok::new(stops);
-        // The first chunk names the role, as OpenAI's do.
-        for e in chunk(
-            json!({"role": "assistant", "content": ""}),
-            Value::Null,
-            None,
-            None,
-        ) {
-            if tx.send(e).is_err() {
-                return;
-            }
+    let mut detok = Detok::new(stops);
+    // The first chunk names the role, as OpenAI's do.
+    let first = chunk(
+        json!({"role": "assistant", "content": ""}),
+        Value::Null,
+        None,
+        None,
+    );
+    let mut pending: Option<TokenLogprobs> = None;
+    Ok(sse(rx, first, move |ev| match ev {
+        SeqEvent::Logprobs(lp) => {
+            pending = Some(lp);
+            Vec::new()
         }
-        let mut pending: Option<TokenLogprobs> = None;
-        while let Some(ev) = rx.recv().await {
-            let (out, end) = match ev {
-                SeqEvent::Prefilled(_) => continue,
-                SeqEvent::Logprobs(lp) => {
-                    pending = Some(lp);
-                    continue;
-                }
-                SeqEvent::Token(t) => {
-                    let lp = pending.take().map_or(Value::Null, |lp| {
-                        chat_logprobs(&state.codec, std::slice::from_ref(&lp))
-                    });
-                    (
-                        chunk(json!({"content": detok.push(&state.codec, t)}), lp, None, None),
-                        false,
-                    )
-                }
-                SeqEvent::Finished { reason, usage } => {
-                    let rest = detok.take(&state.codec, true);
-                    let delta = if rest.is_empty() {
-                        json!({})
-                    } else {
-                        json!({"content": rest})
-                    };
-                    (
-                        chunk(delta, Value::Null, Some(finish_str(reason)), Some(&usage)),
-                        true,
-                    )
-                }
-                SeqEvent::Failed(e) => (
-                    vec![Event::default().data(json!({"error": {"message": e}}).to_string())],
-                    true,
-                ),
+        SeqEvent::Token(t) => {
+            let lp = pending.take().map_or(Value::Null, |lp| {
+                chat_logprobs(&state.codec, std::slice::from_ref(&lp))
+            });
+            chunk(json!({"content": detok.push(&state.codec, t)}), lp, None, None)
+        }
+        SeqEvent::Finished { reason, usage } => {
+            let rest = detok.take(&state.codec, true);
+            let delta = if rest.is_empty() {
+                json!({})
+            } else {
+                json!({"content": rest})
             };
-            for e in out {
-                if tx.send(e).is_err() {
-                    return;
-                }
-            }
-            if end {
-                break;
-            }
+            chunk(delta, Value::Null, Some(finish_str(reason)), Some(&usage))
         }
-    });
-    let events = tokio_stream::wrappers::UnboundedReceiverStream::new(events).map(Ok::<_, Infallible>);
-    let done = tokio_stream::once(Ok(Event::default().data("[DONE]")));
-    Ok(Sse::new(events.chain(done)).into_response())
+        SeqEvent::Prefilled(_) | SeqEvent::Failed(_) => Vec::new(),
+    }))
 }
 
 /// SGLang's `/generate` body: `input_ids` or `text`, and `sampling_params`.
@@ -1029,14 +1002,11 @@ fn meta_info(
 }
 
 async fn generate(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Response, ApiError> {
-    check_fields(&b, GENERATE_FIELDS, GENERATE_NOOPS)?;
-    if let Ok(Value::Object(m)) = serde_json::from_slice::<Value>(&b)
-        && let Some(p) = m.get("sampling_params")
-    {
-        check_fields(p.to_string().as_bytes(), SAMPLING_FIELDS, SAMPLING_NOOPS)
+    let (r, v): (GenerateRequest, _) = body(&b, GENERATE_FIELDS, GENERATE_NOOPS)?;
+    if let Some(Value::Object(p)) = v.get("sampling_params") {
+        check_fields(p, SAMPLING_FIELDS, SAMPLING_NOOPS)
             .map_err(|ApiError(c, m)| ApiError(c, format!("sampling_params: {m}")))?;
     }
-    let r: GenerateRequest = body(&b)?;
     let prompt = match (r.input_ids, r.text) {
         (Some(ids), None) => ids,
         (None, Some(text)) => s.codec.encode(&text)?,
@@ -1081,41 +1051,36 @@ async fn generate(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Response, 
     }
     // SGLang streams the cumulative output in each event, with meta_info.
     let state = Arc::clone(&s);
-    let (tx, events) = tokio::sync::mpsc::unbounded_channel::<Event>();
-    let mut rx = rx;
-    tokio::spawn(async move {
-        let mut detok = Detok::new(stops);
-        let mut text = String::new();
-        let mut ids: Vec<u32> = Vec::new();
-        let mut cached = None;
-        while let Some(ev) = rx.recv().await {
-            let (v, end) = match ev {
-                SeqEvent::Prefilled(c) => {
-                    cached = Some(c);
-                    continue;
-                }
-                SeqEvent::Logprobs(_) => continue,
-                SeqEvent::Token(t) => {
-                    ids.push(t);
-                    text.push_str(&detok.push(&state.codec, t));
-                    let meta = meta_info(&id, prompt_tokens, ids.len(), cached, None);
-                    (json!({"text": text, "output_ids": ids, "meta_info": meta}), false)
-                }
-                SeqEvent::Finished { reason, usage } => {
-                    text.push_str(&detok.take(&state.codec, true));
-                    let meta = meta_info(&id, prompt_tokens, ids.len(), cached, Some((reason, &usage)));
-                    (json!({"text": text, "output_ids": ids, "meta_info": meta}), true)
-                }
-                SeqEvent::Failed(e) => (json!({"error": {"message": e}}), true),
-            };
-            if tx.send(Event::default().data(v.to_string())).is_err() || end {
-                return;
+    let mut detok = Detok::new(stops);
+    let mut text = String::new();
+    let mut ids: Vec<u32> = Vec::new();
+    let mut cached = None;
+    Ok(sse(rx, Vec::new(), move |ev| {
+        let end = match ev {
+            SeqEvent::Prefilled(c) => {
+                cached = Some(c);
+                return Vec::new();
             }
-        }
-    });
-    let events = tokio_stream::wrappers::UnboundedReceiverStream::new(events).map(Ok::<_, Infallible>);
-    let done = tokio_stream::once(Ok(Event::default().data("[DONE]")));
-    Ok(Sse::new(events.chain(done)).into_response())
+            SeqEvent::Token(t) => {
+                ids.push(t);
+                text.push_str(&detok.push(&state.codec, t));
+                None
+            }
+            SeqEvent::Finished { reason, usage } => {
+                text.push_str(&detok.take(&state.codec, true));
+                Some((reason, usage))
+            }
+            SeqEvent::Logprobs(_) | SeqEvent::Failed(_) => return Vec::new(),
+        };
+        let meta = meta_info(
+            &id,
+            prompt_tokens,
+            ids.len(),
+            cached,
+            end.as_ref().map(|(r, u)| (*r, u)),
+        );
+        vec![Event::default().data(json!({"text": text, "output_ids": ids, "meta_info": meta}).to_string())]
+    }))
 }
 
 async fn model_by_id(
@@ -1190,7 +1155,7 @@ struct ClearRequest {
 
 /// Forget kvtier's blocks in one tier (`host`, `disk`) or `all` (benchmarks between scenarios).
 async fn kvtier_clear(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Json<Value>, ApiError> {
-    let r: ClearRequest = body(&b)?;
+    let (r, _): (ClearRequest, _) = body(&b, &["tier"], &[])?;
     let tier = match r.tier.as_str() {
         "host" => Some(Tier::Host),
         "disk" => Some(Tier::Disk),
@@ -1227,7 +1192,7 @@ struct ReuseRequest {
 
 /// Switch the prefix reuse policy (`none`, `device`, `tiered`, `kvtier`) for the next requests.
 async fn kvtier_reuse(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Json<Value>, ApiError> {
-    let r: ReuseRequest = body(&b)?;
+    let (r, _): (ReuseRequest, _) = body(&b, &["kv_reuse"], &[])?;
     let policy: crate::KvReuse = r.kv_reuse.parse().map_err(|e: EngineError| bad(e.to_string()))?;
     engine_call(&s, move |e| e.set_kv_reuse(policy)).await?;
     Ok(Json(json!({"kv_reuse": policy})))
