@@ -414,14 +414,16 @@ fn completion_logprobs(codec: &TextCodec, lps: &[TokenLogprobs], mut offset: usi
     for lp in lps {
         let t = token_str(codec, lp.token);
         offsets.push(offset);
-        offset += t.len();
+        // In characters, as OpenAI counts them.
+        offset += t.chars().count();
         tokens.push(t);
         token_logprobs.push(lp.logprob);
-        let alts: serde_json::Map<String, Value> = lp
-            .top
-            .iter()
-            .map(|(id, l)| (token_str(codec, *id), json!(l)))
-            .collect();
+        // Keyed by text: tokens that decode alike (bytes of one character, each U+FFFD) keep
+        // the most likely one's logprob (`top` is most likely first).
+        let mut alts = serde_json::Map::new();
+        for (id, l) in &lp.top {
+            alts.entry(token_str(codec, *id)).or_insert(json!(l));
+        }
         top.push(Value::Object(alts));
     }
     json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
@@ -630,7 +632,7 @@ async fn completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Respons
             let lp = match pending.take() {
                 Some(lp) => {
                     let v = completion_logprobs(&state.codec, std::slice::from_ref(&lp), offset);
-                    offset += token_str(&state.codec, lp.token).len();
+                    offset += token_str(&state.codec, lp.token).chars().count();
                     v
                 }
                 None => Value::Null,
