@@ -447,9 +447,11 @@ fn chat_logprobs(codec: &TextCodec, lps: &[TokenLogprobs]) -> Value {
 }
 
 /// Streams a request as SSE: `to_sse` turns each engine event into the events to send (none
-/// for some); a failure sends an error event. A task does the work, so a client that goes
-/// away ends it at its next send, dropping `rx`, which frees the sequence in the engine.
-/// `first` goes out before any engine event, `[DONE]` after the last.
+/// for some); a failure sends an error event. A task does the work; a client that goes away
+/// (the response body dropped) ends it at once, even while the request still waits for a
+/// slot and no engine event comes, dropping `rx`, which takes the request out of the waiting
+/// queue or frees its sequence. `first` goes out before any engine event, `[DONE]` after the
+/// last.
 fn sse(
     mut rx: UnboundedReceiver<SeqEvent>,
     first: Vec<Event>,
@@ -462,7 +464,12 @@ fn sse(
                 return;
             }
         }
-        while let Some(ev) = rx.recv().await {
+        loop {
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                () = tx.closed() => return,
+            };
+            let Some(ev) = ev else { break };
             let end = matches!(ev, SeqEvent::Finished { .. } | SeqEvent::Failed(_));
             let out = match ev {
                 SeqEvent::Failed(e) => {
@@ -978,6 +985,14 @@ impl Default for SamplingParams {
     }
 }
 
+/// Cached tokens by tier in SGLang's HiCache terms, as its `--cache-report` reads them:
+/// `device` (the engine's own cache), `host` (kvtier's host tier, HiCache's L2) and `storage`
+/// (kvtier's disk tier, HiCache's L3, with `storage_backend` naming it); `disk` repeats
+/// `storage` under kvtier's own name.
+fn cached_details(c: &CachedTokens) -> Value {
+    json!({"device": c.device, "host": c.host, "storage": c.disk, "storage_backend": "kvtier-disk", "disk": c.disk})
+}
+
 /// SGLang's `meta_info`, on every streamed event and in the full reply: `finish_reason` is
 /// null until the last event; `cached_tokens` is known from the first token on.
 fn meta_info(
@@ -994,7 +1009,7 @@ fn meta_info(
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "cached_tokens": cached.total(),
-        "cached_tokens_details": {"device": cached.device, "host": cached.host, "disk": cached.disk},
+        "cached_tokens_details": cached_details(&cached),
     });
     if let Some((_, u)) = end {
         v["ttft_ms"] = json!(u.ttft_ms);

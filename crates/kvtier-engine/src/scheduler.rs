@@ -480,7 +480,11 @@ impl Scheduler {
             Err(e) => {
                 // A bad batch: fail its sequences rather than loop on it.
                 tracing::error!(error = %e, "forward pass failed");
-                for &(i, _) in plan.iter().rev() {
+                // Highest index first: `plan` is in decode-first order, and a swap_remove
+                // moves the last sequence into the removed one's place.
+                let mut failed: Vec<usize> = plan.iter().map(|&(i, _)| i).collect();
+                failed.sort_unstable();
+                for i in failed.into_iter().rev() {
                     let s = self.running.swap_remove(i);
                     let _ = s.out.send(SeqEvent::Failed(e.to_string()));
                     self.free(s);
