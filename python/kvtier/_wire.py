@@ -1,0 +1,132 @@
+"""Request building and reply conversion, shared by the sync and the asyncio sessions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Union, cast
+
+import numpy as np
+
+from ._proto import kvtier_pb2 as pb
+from .keys import KEY_BYTES, BlockKeys, KeysLike, as_keys
+from .results import (
+    BlocksMissing, ClearResult, DeviceEvent, DeviceEventsResult, LayerReady, LoadDone,
+    LoadEvent, MatchResult, PinResult, PoolHandle, Stats, StoreResult, Tier, Timing,
+)
+
+#: A pool as requests name it: its handle, or its id.
+PoolRef = Union[PoolHandle, int]
+#: Slots: a sequence of ints or an integer numpy array.
+SlotsLike = Union[Sequence[int], np.ndarray]
+
+
+def pool_id(pool: PoolRef) -> int:
+    return pool.pool_id if isinstance(pool, PoolHandle) else int(pool)
+
+
+def slot_list(slots: SlotsLike) -> list[int]:
+    if isinstance(slots, np.ndarray):
+        return slots.astype(np.int64, copy=False).tolist()  # type: ignore[no-any-return]
+    return list(slots)
+
+
+def timing(t: pb.TransferTiming) -> Timing:
+    return Timing(t.queue_us, t.latency_us, t.span_us, t.active_us)
+
+
+def match_request(session_id: int, pool: PoolRef, keys: KeysLike | None,
+                  token_ids: Sequence[int] | np.ndarray | None, cache_salt: str) -> pb.MatchRequest:
+    req = pb.MatchRequest(session_id=session_id, pool_id=pool_id(pool), cache_salt=cache_salt)
+    # Both given is passed on: the sidecar answers INVALID_ARGUMENT naming it.
+    if keys is not None:
+        req.keys = as_keys(keys).packed
+    if token_ids is not None:
+        req.token_ids.extend(slot_list(token_ids))
+    return req
+
+
+def match_result(r: pb.MatchResponse) -> MatchResult:
+    return MatchResult(
+        tiers=[Tier(t) for t in r.tiers], device_slots=list(r.device_slots), keys=BlockKeys(r.keys),
+        matched_tokens=r.matched_tokens, device_tokens=r.device_tokens, host_tokens=r.host_tokens,
+        disk_tokens=r.disk_tokens,
+    )
+
+
+def load_request(session_id: int, pool: PoolRef, keys: KeysLike, slots: SlotsLike, cache_salt: str,
+                 deadline_ms: int, layer_event_stride: int, done_only: bool) -> pb.LoadRequest:
+    return pb.LoadRequest(
+        session_id=session_id, pool_id=pool_id(pool), cache_salt=cache_salt, keys=as_keys(keys).packed,
+        slots=slot_list(slots), deadline_ms=deadline_ms, layer_event_stride=layer_event_stride,
+        done_only=done_only,
+    )
+
+
+def load_event(e: pb.LoadEvent) -> LoadEvent:
+    which = e.WhichOneof("event")
+    if which == "layer_ready":
+        return LayerReady(e.layer_ready.layer)
+    if which == "missing":
+        return BlocksMissing(BlockKeys(e.missing.keys))
+    if which == "done":
+        d = e.done
+        return LoadDone(d.loaded_blocks, d.disk_blocks, BlockKeys(d.missing), d.bytes, timing(d.timing))
+    raise ValueError(f"a load event with no event set ({which!r})")
+
+
+def store_request(session_id: int, pool: PoolRef, keys: KeysLike, slots: SlotsLike, parent: int | None,
+                  cache_salt: str, durable: bool) -> pb.StoreRequest:
+    return pb.StoreRequest(
+        session_id=session_id, pool_id=pool_id(pool), cache_salt=cache_salt, keys=as_keys(keys).packed,
+        slots=slot_list(slots), parent=b"" if parent is None else parent.to_bytes(KEY_BYTES, "little"),
+        durable=durable,
+    )
+
+
+def store_result(r: pb.StoreResponse) -> StoreResult:
+    return StoreResult(
+        r.stored_blocks, r.already_stored, BlockKeys(r.no_space), r.bytes, timing(r.timing),
+        r.durable_blocks, BlockKeys(r.not_durable),
+    )
+
+
+def device_events_request(session_id: int, pool: PoolRef, events: Iterable[DeviceEvent]) -> pb.DeviceEventsRequest:
+    return pb.DeviceEventsRequest(
+        session_id=session_id, pool_id=pool_id(pool),
+        events=[
+            pb.DeviceEvent(kind=cast(Any, int(e.kind)),
+                           key=b"" if e.kind == 3 else e.key.to_bytes(KEY_BYTES, "little"),
+                           slot=e.slot)
+            for e in events
+        ],
+    )
+
+
+def device_events_result(r: pb.DeviceEventsResponse) -> DeviceEventsResult:
+    return DeviceEventsResult(r.applied, r.device_blocks)
+
+
+def pin_request(session_id: int, pool: PoolRef, keys: KeysLike, cache_salt: str, ttl_ms: int) -> pb.PinRequest:
+    return pb.PinRequest(session_id=session_id, pool_id=pool_id(pool), cache_salt=cache_salt,
+                         keys=as_keys(keys).packed, ttl_ms=ttl_ms)
+
+
+def pin_result(r: pb.PinResponse) -> PinResult:
+    return PinResult(r.pin_id, r.pinned_blocks, BlockKeys(r.missing))
+
+
+def clear_request(session_id: int, pool: PoolRef | None, cache_salt: str, all: bool,
+                  tier: Tier | int | None) -> pb.ClearRequest:
+    return pb.ClearRequest(session_id=session_id, pool_id=0 if pool is None else pool_id(pool),
+                           cache_salt=cache_salt, all=all, tier=cast(Any, int(tier or 0)))
+
+
+def clear_result(r: pb.ClearResponse) -> ClearResult:
+    return ClearResult(r.host_blocks, r.disk_blocks, r.kept_pinned)
+
+
+def stats(r: pb.StatsResponse) -> Stats:
+    return Stats(r.sessions, r.pools, r.pinned_blocks, r.host_used_bytes, r.host_capacity_bytes,
+                 r.disk_used_bytes, r.disk_capacity_bytes, r.json)
+
+

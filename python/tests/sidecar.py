@@ -1,0 +1,91 @@
+"""A real `kvtier serve` process on a Unix socket in a temporary directory, for the client
+tests (python/tests/test_client.py). The binary is `$KVTIER_BIN` (conftest.kvtier_bin)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conftest import free_port, kvtier_bin
+
+__all__ = ["BIG_GEOMETRY_FLAGS", "GEOMETRY_FLAGS", "Sidecar", "free_port", "start_sidecar"]
+
+#: A larger geometry for transfers that take a few milliseconds: a block is 256 KiB (64 KiB a
+#: layer), so a 512-block load copies 128 MiB, 32 MiB a layer.
+BIG_GEOMETRY_FLAGS = (
+    "--set", "model.layers=4",
+    "--set", "model.kv_heads=8",
+    "--set", "model.head_dim=128",
+    "--set", "model.dtype=f16",
+    "--set", "model.block_tokens=16",
+)
+
+#: The small geometry the test sidecars serve: 4 layers, 2 KV heads of 16, f16, 4-token blocks
+#: (a block-layer is 512 bytes, a block 2 KiB).
+GEOMETRY_FLAGS = (
+    "--set", "model.layers=4",
+    "--set", "model.kv_heads=2",
+    "--set", "model.head_dim=16",
+    "--set", "model.dtype=f16",
+    "--set", "model.block_tokens=4",
+)
+
+
+@dataclass
+class Sidecar:
+    """A running `kvtier serve`: its socket, process and stderr lines."""
+
+    process: subprocess.Popen[str]
+    socket: Path
+    dir: Path
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def target(self) -> str:
+        return f"unix://{self.socket}"
+
+    def stop(self) -> None:
+        """SIGTERM by PID, then SIGKILL if it has not exited within 20 s."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_sidecar(tmp: Path, *flags: str, host_capacity: str = "16MiB",
+                  geometry: tuple[str, ...] = GEOMETRY_FLAGS, timeout: float = 60) -> Sidecar:
+    """Starts `kvtier serve` on `tmp`/kvtier.sock (metrics off) and returns once it serves."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    sock = tmp / "kvtier.sock"
+    proc = subprocess.Popen(
+        [str(kvtier_bin()), "serve", "--socket", str(sock), "--metrics", "off",
+         "--host-capacity", host_capacity, *geometry, *flags],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    log: list[str] = []
+    deadline = time.monotonic() + timeout
+    for line in proc.stderr:
+        log.append(line)
+        if "kvtier: serving" in line:
+            break
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError("kvtier serve did not start in time:\n" + "".join(log))
+    else:
+        proc.wait()
+        raise RuntimeError(f"kvtier serve exited ({proc.returncode}):\n{''.join(log)}")
+    stderr = proc.stderr
+    threading.Thread(target=lambda: log.extend(stderr), daemon=True).start()
+    return Sidecar(proc, sock, tmp, log)

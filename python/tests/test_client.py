@@ -1,0 +1,456 @@
+"""The kvtier Python client (python/kvtier) against real `kvtier serve` processes.
+
+Each sidecar runs on a Unix socket in a temporary directory with a small host tier and is
+stopped by PID at the end of the module (tests/sidecar.py). Nothing is mocked: every
+assertion is on what a real sidecar answered, or on bytes in a real shared-memory pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import grpc
+import numpy as np
+
+import kvtier
+
+from kvtier import errors
+from kvtier.pool import HEADER_BYTES, decode_header
+from kvtier.session import wait_for
+from sidecar import BIG_GEOMETRY_FLAGS, Sidecar, free_port, start_sidecar
+
+REPO = Path(__file__).resolve().parents[2]
+VECTORS = REPO / "crates" / "kvtier-core" / "vectors" / "block_keys_v1.json"
+GEOMETRY = kvtier.Geometry(layers=4, kv_heads=2, head_dim=16, dtype="f16", block_tokens=4)
+MAX_BATCH = 64
+TOKEN = "test-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
+    """The small-geometry sidecar; a batch limit of 64 blocks (so a 4 MiB message limit)."""
+    sc = start_sidecar(tmp_path_factory.mktemp("sidecar"), "--set", f"server.max_batch_blocks={MAX_BATCH}")
+    yield sc
+    sc.stop()
+
+
+@pytest.fixture(scope="module")
+def big_sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Sidecar, int]]:
+    """A sidecar whose loads take milliseconds (256 KiB blocks, one load thread), whose store
+    queue admits 1 MiB in flight, with a TCP listener on loopback that requires a token."""
+    d = tmp_path_factory.mktemp("big")
+    token_file = d / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    port = free_port()
+    sc = start_sidecar(
+        d, "--set", "transfer.load_threads=1", "--set", "transfer.store_inflight_limit=1MiB",
+        "--tcp", f"127.0.0.1:{port}", "--auth-token-file", str(token_file),
+        host_capacity="160MiB", geometry=BIG_GEOMETRY_FLAGS,
+    )
+    yield sc, port
+    sc.stop()
+
+
+@pytest.fixture
+def session(sidecar: Sidecar) -> Iterator[kvtier.Session]:
+    with kvtier.connect(sidecar.target, "pytest") as s:
+        yield s
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[kvtier.CpuPool]:
+    with kvtier.CpuPool.create(GEOMETRY, 32, tmp_path / "pool") as p:
+        yield p
+
+
+def fill(pool: kvtier.CpuPool, slots: range, seed: int) -> np.ndarray:
+    """Random bytes into `slots` of every layer; returns a copy of what was written."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(pool.geometry.layers, len(slots), pool.geometry.block_layer_bytes),
+                        dtype=np.uint8)
+    pool.raw[:, slots.start:slots.stop] = data
+    return data
+
+
+# --- keys, stubs, pool file -----------------------------------------------------------------
+
+
+def test_key_vectors() -> None:
+    vectors = json.loads(VECTORS.read_text(encoding="utf-8"))
+    assert len(vectors["cases"]) >= 8
+    for case in vectors["cases"]:
+        n = case["namespace"]
+        ns = kvtier.Namespace(n["model_id"], kvtier.Geometry(**n["geometry"]), n["tp_rank"], n["tp_size"],
+                              n["cache_salt"])
+        assert ns.canonical_bytes().hex() == case["namespace_canonical_hex"], case["name"]
+        assert "%032x" % ns.fingerprint() == case["fingerprint"], case["name"]
+        keys = ns.keys(case["tokens"])
+        assert keys.hex() == case["keys"], case["name"]
+        assert keys == kvtier.BlockKeys.from_hex(case["keys"])
+        bt = n["geometry"]["block_tokens"]
+        if len(keys) >= 2:  # continuing a sequence from its parent gives the same keys
+            assert ns.keys(case["tokens"][bt:], parent=keys[0]) == keys[1:]
+            assert ns.keys(np.asarray(case["tokens"], dtype=np.uint32)) == keys
+    with pytest.raises(ValueError):
+        kvtier.block_keys(1, [-1, 2, 3, 4], 4)
+    with pytest.raises(ValueError):
+        kvtier.BlockKeys(b"\x00" * 17)
+
+
+def test_stubs_match_proto() -> None:
+    r = subprocess.run([str(REPO / "scripts" / "gen_python_stubs.sh"), "--check"], capture_output=True,
+                       text=True, env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_pool_file_format(tmp_path: Path) -> None:
+    # docs/api.md's sample: 48 layers, 4 KV heads of 128, bf16, 64-token blocks, 1024 slots.
+    g = kvtier.Geometry(48, 4, 128, "bf16", 64)
+    with kvtier.CpuPool.create(g, 1024, tmp_path / "sample", prefault=False) as p:
+        assert p.path.stat().st_size == 6_442_455_040
+        with open(p.path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+        assert head[:40].hex(" ") == (
+            "4b 56 54 50 4f 4f 4c 00 01 00 00 00 00 10 00 00 30 00 00 00 04 00 00 00 80 00 00 00 "
+            "03 00 00 00 40 00 00 00 00 04 00 00")
+        assert head[40:] == bytes(HEADER_BYTES - 40)
+        assert decode_header(head) == (g, 1024)
+    assert not (tmp_path / "sample").exists()  # the creator removes its file on close
+
+
+def test_pool_views_are_the_file(pool: kvtier.CpuPool) -> None:
+    g = pool.geometry
+    assert pool.kv.shape == (g.layers, 32, 2, g.block_tokens, g.kv_heads, g.head_dim)
+    assert pool.kv.dtype == np.float16
+    blk = pool.block(5, layer=2)
+    assert np.shares_memory(blk, pool.raw) and np.shares_memory(pool.layer(3), pool.kv)
+    blk[1, 2, 1, 7] = 1.5  # V, token 2, head 1, dim 7 of (slot 5, layer 2)
+    off = pool.offset(5, 2) + ((1 * g.block_tokens + 2) * g.kv_heads + 1) * g.head_dim * 2 + 7 * 2
+    with open(pool.path, "rb") as f:
+        f.seek(off)
+        assert np.frombuffer(f.read(2), "<f2")[0] == 1.5
+    assert pool.block(5)[2, 1, 2, 1, 7] == 1.5  # all layers of a slot: a strided view
+    with kvtier.CpuPool.open(pool.path) as again:  # a second mapping sees the same bytes
+        assert again.geometry == g and again.num_slots == 32
+        assert again.kv[2, 5, 1, 2, 1, 7] == 1.5
+    assert pool.path.exists()  # open() leaves the file to its creator
+
+
+# --- the API against a sidecar --------------------------------------------------------------
+
+
+def test_store_zero_match_load_bit_exact(session: kvtier.Session, pool: kvtier.CpuPool) -> None:
+    assert session.geometry == GEOMETRY
+    h = session.register_pool(pool, "store-load")
+    assert h.fingerprint == h.namespace.fingerprint()  # the sidecar's namespace is ours
+    tokens = list(range(1000, 1000 + 8 * 4 + 3))  # 8 whole blocks and a partial tail
+    keys = h.keys(tokens)
+    assert len(keys) == 8
+    want = fill(pool, range(0, 8), seed=1)
+    st = session.store(h, keys, range(8))  # one request for the whole run
+    assert (st.stored_blocks, st.already_stored, len(st.no_space)) == (8, 0, 0)
+    assert st.bytes == 8 * GEOMETRY.block_bytes
+    assert session.store(h, keys[4:], range(4, 8), parent=keys[3]).already_stored == 4
+    pool.raw[:] = 0
+
+    by_keys = session.match(h, keys)
+    assert by_keys.tiers == [kvtier.Tier.HOST] * 8 and by_keys.matched_tokens == 32
+    assert by_keys.host_tokens == 32 and len(by_keys.keys) == 0
+    by_tokens = session.match(h, token_ids=tokens)  # the partial tail is ignored
+    assert by_tokens.keys == keys and by_tokens.matched_blocks == 8
+    other = session.match(h, token_ids=tokens, cache_salt="tenant-b")  # another salt: nothing
+    assert other.matched_blocks == 0 and other.matched_tokens == 0
+    prefix = session.match(h, token_ids=tokens[:8] + [7] * 8)  # diverges after two blocks
+    assert prefix.matched_blocks == 2
+
+    # Into other slots, every layer event as it comes.
+    slots = np.arange(16, 24)
+    events = list(session.load(h, keys, slots))
+    assert events[:-1] == [kvtier.LayerReady(layer) for layer in range(GEOMETRY.layers)]
+    done = events[-1]
+    assert isinstance(done, kvtier.LoadDone) and done.loaded_blocks == 8 and len(done.missing) == 0
+    assert done.bytes == 8 * GEOMETRY.block_bytes
+    assert np.array_equal(pool.raw[:, 16:24], want)
+    assert not pool.raw[:, :16].any() and not pool.raw[:, 24:].any()
+
+
+def test_load_event_options_and_missing(session: kvtier.Session, pool: kvtier.CpuPool) -> None:
+    h = session.register_pool(pool, "events")
+    keys = h.keys(list(range(4 * 4)))
+    want = fill(pool, range(0, 4), seed=2)
+    session.store(h, keys, range(4))
+    strided = list(session.load(h, keys, range(4, 8), layer_event_stride=3))
+    assert [type(e) for e in strided] == [kvtier.LayerReady, kvtier.LayerReady, kvtier.LoadDone]
+    assert [e.layer for e in strided[:2]] == [2, 3]  # layers N-1, 2N-1, ... and always the last
+    assert list(session.load(h, keys, range(8, 12), done_only=True))[0].loaded_blocks == 4  # only LoadDone
+
+    unknown = kvtier.BlockKeys.from_ints([12345, 67890])
+    stream = session.load(h, keys + unknown, range(12, 18), done_only=True)
+    evs = list(stream)
+    assert isinstance(evs[0], kvtier.BlocksMissing) and evs[0].keys == unknown
+    assert stream.done is not None and stream.done.loaded_blocks == 4 and stream.done.missing == unknown
+    assert stream.missing == unknown
+    done = session.load_wait(h, keys, range(20, 24))
+    assert done.loaded_blocks == 4
+    for first in (4, 8, 12, 20):
+        assert np.array_equal(pool.raw[:, first:first + 4], want)
+
+
+def test_device_events_pin_clear(session: kvtier.Session, pool: kvtier.CpuPool) -> None:
+    h = session.register_pool(pool, "device")
+    keys = h.keys(list(range(3 * 4)))
+    session.store(h, keys, range(3))
+    r = session.device_events(h, [kvtier.DeviceEvent.stored(keys[0], 7), kvtier.DeviceEvent.stored(keys[1], 9)])
+    assert (r.applied, r.device_blocks) == (2, 2)
+    m = session.match(h, keys)
+    assert m.tiers == [kvtier.Tier.DEVICE, kvtier.Tier.DEVICE, kvtier.Tier.HOST]
+    assert m.device_slots[:2] == [7, 9] and m.device_tokens == 8
+    assert session.device_events(h, [kvtier.DeviceEvent.removed(keys[1])]).device_blocks == 1
+    assert session.device_events(h, [kvtier.DeviceEvent.cleared()]).device_blocks == 0
+
+    p = session.pin(h, keys + kvtier.BlockKeys.from_ints([99]))
+    assert p.pinned_blocks == 3 and list(p.missing) == [99]
+    assert session.stats().pinned_blocks >= 3
+    c = session.clear(h)
+    assert c.kept_pinned == 3 and c.host_blocks == 0
+    assert session.unpin(p) == 3
+    c = session.clear(h, tier=kvtier.Tier.HOST)
+    assert c.host_blocks == 3
+    assert session.match(h, keys).matched_blocks == 0
+
+
+def test_session_close_releases_pins(sidecar: Sidecar, tmp_path: Path) -> None:
+    client = kvtier.Client(sidecar.target)
+    base = client.stats()
+    with kvtier.CpuPool.create(GEOMETRY, 8, tmp_path / "p") as p:
+        s = kvtier.connect(sidecar.target, "pinner")
+        h = s.register_pool(p, "pins")
+        keys = h.keys(list(range(5 * 4)))
+        s.store(h, keys, range(5))
+        assert s.pin(h, keys).pinned_blocks == 5
+        st = client.stats()
+        assert st.pinned_blocks == base.pinned_blocks + 5
+        assert (st.sessions, st.pools) == (base.sessions + 1, base.pools + 1)
+        s.close()
+        s.close()  # idempotent
+        with pytest.raises(kvtier.SessionClosed):
+            s.match(h, keys)
+        # The sidecar applies the end of the stream as it notices it.
+        assert wait_for(lambda: client.stats().pinned_blocks == base.pinned_blocks)
+        st = client.stats()
+        assert (st.sessions, st.pools) == (base.sessions, base.pools)
+    client.close()
+
+
+def test_asyncio_session(sidecar: Sidecar, pool: kvtier.CpuPool) -> None:
+    async def run() -> None:
+        async with await kvtier.aio.connect(sidecar.target, "asyncio") as s:
+            h = await s.register_pool(pool, "aio")
+            keys = h.keys(list(range(6 * 4)))
+            want = fill(pool, range(0, 6), seed=3)
+            assert (await s.store(h, keys, range(6))).stored_blocks == 6
+            assert (await s.match(h, token_ids=list(range(6 * 4)))).keys == keys
+            events = [ev async for ev in s.load(h, keys, range(10, 16), layer_event_stride=2)]
+            assert [getattr(e, "layer", None) for e in events] == [1, 3, None]
+            assert isinstance(events[-1], kvtier.LoadDone) and events[-1].loaded_blocks == 6
+            assert (await s.load_wait(h, keys, range(20, 26))).loaded_blocks == 6
+            assert np.array_equal(pool.raw[:, 10:16], want) and np.array_equal(pool.raw[:, 20:26], want)
+            p = await s.pin(h, keys)
+            assert await s.unpin(p) == 6
+            with pytest.raises(kvtier.NotFound):
+                await s.unpin(p)
+            assert (await s.stats()).sessions >= 1
+    asyncio.run(run())
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+def test_invalid_argument_out_of_range_not_found_failed_precondition(
+    session: kvtier.Session, pool: kvtier.CpuPool, tmp_path: Path
+) -> None:
+    h = session.register_pool(pool, "errors")
+    keys = h.keys(list(range(8)))
+    with pytest.raises(kvtier.InvalidArgument) as e:
+        session.store(h, keys, [0])  # 2 keys, 1 slot
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.message
+    with pytest.raises(kvtier.InvalidArgument):
+        session.match(h, keys, token_ids=list(range(8)))  # keys and token ids together
+    with pytest.raises(kvtier.InvalidArgument):
+        session.load(h, keys, [0, 99]).wait()  # slot out of range
+    with pytest.raises(kvtier.InvalidArgument):
+        session.store(h, keys, [3, 3])  # duplicate slot
+    with pytest.raises(kvtier.InvalidArgument):
+        session.register_pool(pool, "errors", tp_size=0)
+    with pytest.raises(kvtier.InvalidArgument):
+        session.register_pool(tmp_path, "dir", num_slots=4)  # a directory, not a pool file
+    too_many = kvtier.BlockKeys.from_ints(range(1, MAX_BATCH + 2))
+    with pytest.raises(kvtier.InvalidArgument) as e:
+        session.match(h, too_many)  # over server.max_batch_blocks
+    assert str(MAX_BATCH) in e.value.message
+    # Over the message limit (4 MiB at this batch limit): refused before it is read.
+    with pytest.raises(kvtier.OutOfRange):
+        session.match(h, b"\x01" * (5 << 20))
+
+    with pytest.raises(kvtier.NotFound):
+        session.unpin(424242)
+    with pytest.raises(kvtier.NotFound):
+        session.match(987654, keys)  # unknown pool
+    with pytest.raises(kvtier.NotFound) as e:
+        session.register_pool(tmp_path / "no-such-pool", "x", num_slots=4)
+    assert "no-such-pool" in e.value.message
+
+    other = kvtier.Geometry(4, 2, 16, "f32", 4)
+    with kvtier.CpuPool.create(other, 4, tmp_path / "f32") as wrong:
+        with pytest.raises(kvtier.FailedPrecondition):
+            session.register_pool(wrong, "wrong-geometry")
+    with pytest.raises(kvtier.FailedPrecondition):  # a pool file whose header disagrees
+        session.register_pool(pool.path, "claims-more", num_slots=64)
+    with pytest.raises(kvtier.FailedPrecondition) as e:  # durable without a disk tier
+        session.store(h, keys, [0, 1], durable=True)
+    assert isinstance(e.value, kvtier.KvtierError) and "disk" in e.value.message
+
+
+def test_resource_exhausted_and_deadline_exceeded(big_sidecar: tuple[Sidecar, int], tmp_path: Path) -> None:
+    sc, _ = big_sidecar
+    n = 512  # 128 MiB a load or store
+    with kvtier.connect(sc.target, "busy") as s, kvtier.CpuPool.create(s.geometry, n + 4, tmp_path / "p") as p:
+        h = s.register_pool(p, "busy")
+        keys = h.keys(list(range(n * s.geometry.block_tokens)))
+        assert s.store(h, keys, range(n)).stored_blocks == n
+
+        # A small load queued behind a big one on the single load thread misses a 1 ms deadline.
+        with s.load(h, keys, range(n)) as big:
+            assert next(big) == kvtier.LayerReady(0)  # 3 layers (96 MiB) still to copy
+            with pytest.raises(kvtier.DeadlineExceeded) as e:
+                s.load_wait(h, keys[:1], [n], deadline_ms=1)
+            assert "deadline" in e.value.message
+            assert big.wait().loaded_blocks == n
+
+        # The store queue admits 1 MiB in flight: a store while a 128 MiB one runs is dropped.
+        async def race() -> list[object]:
+            async with await kvtier.aio.connect(sc.target, "race") as a:
+                ha = await a.register_pool(p, "busy")  # pools belong to their session
+                return await asyncio.gather(
+                    a.store(ha, keys, range(n)),
+                    a.store(ha, keys[:1], [n]),
+                    return_exceptions=True,
+                )
+
+        seen: list[object] = []
+        for _ in range(10):  # the second store must arrive while the first copies (~10 ms)
+            s.clear(h)
+            seen = asyncio.run(race())
+            if isinstance(seen[1], kvtier.ResourceExhausted):
+                break
+        assert isinstance(seen[1], kvtier.ResourceExhausted), seen
+        assert "full" in seen[1].message
+
+
+def test_unauthenticated_unavailable_unimplemented(big_sidecar: tuple[Sidecar, int], tmp_path: Path) -> None:
+    _, port = big_sidecar
+    with pytest.raises(kvtier.Unauthenticated):
+        kvtier.Client(f"127.0.0.1:{port}").stats()
+    with kvtier.Client(f"http://127.0.0.1:{port}", auth_token=TOKEN) as c:
+        assert c.stats().host_capacity_bytes == 160 << 20
+        with kvtier.Session(c, "tcp") as s:
+            assert s.geometry.block_tokens == 16
+
+    nothing = tmp_path / "nothing.sock"  # no sidecar there
+    with pytest.raises(kvtier.Unavailable):
+        kvtier.Client(f"unix://{nothing}", timeout=5).stats()
+    with pytest.raises(kvtier.Unavailable):
+        kvtier.connect(nothing, connect_timeout=0.5)
+
+    # A method this server does not have: gRPC's own UNIMPLEMENTED, mapped like the rest.
+    with kvtier.Client(f"http://127.0.0.1:{port}", auth_token=TOKEN) as c:
+        call = c.channel.unary_unary("/kvtier.v1.KvTier/NoSuchMethod", request_serializer=lambda b: b,
+                                     response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as e:
+            call(b"", timeout=10, metadata=c.metadata)
+        err = errors.from_rpc_error(e.value)
+        assert isinstance(err, kvtier.Unimplemented) and err.code == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_sidecar_shutting_down_is_unavailable(tmp_path: Path) -> None:
+    sc = start_sidecar(tmp_path / "sd")
+    try:
+        s = kvtier.connect(sc.target, "to-be-stopped")
+        sc.process.send_signal(signal.SIGTERM)
+        assert sc.process.wait(timeout=30) == 0
+        # The session stream ended with the server; any request now fails as Unavailable
+        # (or SessionClosed once the stream's end was seen first).
+        with pytest.raises((kvtier.Unavailable, kvtier.SessionClosed)):
+            s.stats()
+        assert wait_for(lambda: s.closed)
+        with pytest.raises(kvtier.SessionClosed):
+            s.stats()
+        s.close()
+    finally:
+        sc.stop()
+
+
+# --- a client killed mid-load --------------------------------------------------------------
+
+CHILD = r"""
+import sys, kvtier
+target, path = sys.argv[1], sys.argv[2]
+s = kvtier.connect(target, "doomed")
+pool = kvtier.CpuPool.create(s.geometry, 512, path)
+h = s.register_pool(pool, "killed-mid-load")
+keys = h.keys(list(range(512 * s.geometry.block_tokens)))
+s.store(h, keys, range(512))
+s.pin(h, keys[:100])
+load = s.load(h, keys, range(512))
+next(load)
+print("mid-load", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_client_killed_mid_load_leaks_nothing(big_sidecar: tuple[Sidecar, int], tmp_path: Path) -> None:
+    sc, _ = big_sidecar
+    client = kvtier.Client(sc.target)
+    base = client.stats()
+    child = subprocess.Popen([sys.executable, "-c", CHILD, sc.target, str(tmp_path / "child-pool")],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "mid-load"
+        st = client.stats()
+        assert st.sessions == base.sessions + 1 and st.pinned_blocks >= base.pinned_blocks + 100
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+    def released() -> bool:
+        st = client.stats()
+        snap = st.snapshot
+        return (
+            st.sessions == base.sessions
+            and st.pools == base.pools
+            and st.pinned_blocks == base.pinned_blocks
+            and snap["tiers"]["host"]["pinned_pages"] == 0
+            and snap["load_queue"]["inflight_bytes"] == 0
+            and snap["load_queue"]["active_requests"] == 0
+        )
+
+    assert wait_for(released), client.stats()
+    # The sidecar still serves, and another client can load the dead one's blocks.
+    with kvtier.connect(sc.target, "survivor") as s, kvtier.CpuPool.create(s.geometry, 4, tmp_path / "p2") as p:
+        h = s.register_pool(p, "killed-mid-load")
+        assert s.load_wait(h, h.keys(list(range(4 * s.geometry.block_tokens))), range(4)).loaded_blocks == 4
+    client.close()
