@@ -17,22 +17,7 @@ if [ "${1:-}" = "--full" ]; then full=1; shift; fi
 bin=${1:-target/release/kvtier}
 [ -x "$bin" ] || { echo "sglang_bench: $bin: no kvtier binary (cargo build --release first)" >&2; exit 2; }
 bin=$(realpath "$bin")
-venv=${SGLANG_VENV:-target/sglang-venv}
-sglang_version=0.5.14
-
-want="$sglang_version $(sha256sum scripts/sglang-bench-requirements.txt | cut -d' ' -f1)"
-if [ "$(cat "$venv/.made" 2>/dev/null)" != "$want" ]; then
-    rm -rf "$venv"
-    start=$(date +%s)
-    python3 -m venv "$venv"
-    # sglang itself without its GPU server dependencies: only its benchmark client runs here.
-    "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps "sglang==$sglang_version"
-    "$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/sglang-bench-requirements.txt 2>&1 |
-        grep -v "dependency resolver\|requires .*, but you have\|which is incompatible" || true
-    "$venv/bin/python" -m sglang.bench_serving --help >/dev/null
-    echo "$want" >"$venv/.made"
-    echo "sglang_bench: venv made in $(($(date +%s) - start)) s ($(du -sh "$venv" | cut -f1))" >&2
-fi
+. scripts/sglang_venv.sh
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvtier-sglang-bench.XXXXXX")
 pids=()

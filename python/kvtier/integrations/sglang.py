@@ -1,0 +1,295 @@
+"""kvtier as an SGLang HiCache storage backend (the L3 tier behind SGLang's host KV pool).
+
+SGLang loads it through its dynamic storage backend option::
+
+    python -m sglang.launch_server ... --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "kvtier",
+            "module_path": "kvtier.integrations.sglang", "class_name": "KvtierHiCacheStorage",
+            "interface_v1": 1, "sidecar": "unix:///run/kvtier/kvtier.sock"}'
+
+``interface_v1`` makes SGLang's cache controller call the page variants
+(:meth:`KvtierHiCacheStorage.batch_get_v1` / :meth:`~KvtierHiCacheStorage.batch_set_v1`),
+which move whole runs of pages per request. SGLang's host pool is ordinary process memory the
+sidecar cannot map, so pages go through a shared-memory staging pool of ``staging_slots``
+pages (default 128, SGLang's storage batch): host pool → staging slots → one ``Store``; one
+``Load`` → staging slots → host pool. The copies reorder each page from SGLang's layout
+(``layer_first`` ``[K|V][layer][token]…`` or ``page_first``) into kvtier's
+``[layer][K|V][token][head][dim]``, so what one node stores another reads back the same way.
+
+Keys are SGLang's own page hashes (hex strings chaining the prefix), reduced to kvtier's
+128-bit keys (their first 32 hex digits): kvtier accepts keys computed by the caller, and a
+page's hash already names its whole prefix. The kvtier namespace is the model name, the
+geometry and the tensor-parallel rank/size SGLang gives, so ranks and models never mix.
+
+extra_config keys: ``sidecar`` (a target as :func:`kvtier.connect` takes; default the
+sidecar's default socket), ``auth_token``, ``staging_slots``, ``cache_salt``, ``model_name``
+(default SGLang's), ``client_name``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from ..client import connect
+from ..errors import KvtierError
+from ..geometry import Geometry
+from ..keys import BlockKeys
+from ..pool import CpuPool
+from ..results import PoolHandle
+from ..session import Session
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+
+def page_key(sglang_hash: str) -> int:
+    """kvtier's 128-bit key of an SGLang page hash (its first 32 hex digits)."""
+    if len(sglang_hash) < 32:
+        raise ValueError(f"page hash {sglang_hash!r}: expected at least 32 hex digits")
+    return int(sglang_hash[:32], 16)
+
+
+class KvtierHiCacheStorage(HiCacheStorage):
+    """An SGLang ``HiCacheStorage`` on a kvtier sidecar (see the module's documentation).
+
+    Constructed by SGLang's backend factory as ``KvtierHiCacheStorage(storage_config, kwargs)``;
+    the session opens and the staging pool is registered when SGLang registers its host pool
+    (:meth:`register_mem_pool_host`), which fixes the geometry.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        self.config = storage_config
+        extra = dict(storage_config.extra_config or {})
+        self._target: str | None = extra.get("sidecar")
+        self._auth_token: str | None = extra.get("auth_token")
+        self._staging_slots = int(extra.get("staging_slots", 128))
+        if self._staging_slots < 1:
+            raise ValueError(f"staging_slots = {self._staging_slots}: give at least 1")
+        self._salt = str(extra.get("cache_salt", ""))
+        self._model = str(extra.get("model_name") or storage_config.model_name or "sglang-model")
+        self._client_name = str(extra.get("client_name", f"sglang-tp{storage_config.tp_rank}"))
+        self._session: Session | None = None
+        self._pool: CpuPool | None = None
+        self._handle: PoolHandle | None = None
+        # SGLang's prefetch and backup threads call in concurrently; the staging pool is one.
+        self._lock = threading.Lock()
+        self.mem_pool_host: Any = None
+
+    # --- setup -----------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Opens the kvtier session and registers a staging pool of the host pool's geometry
+        (layers, KV heads, head dim, dtype, page size); the sidecar must serve that geometry."""
+        super().register_mem_pool_host(mem_pool_host)
+        layout = getattr(mem_pool_host, "layout", None)
+        if layout not in ("layer_first", "page_first"):
+            raise ValueError(f"kvtier: host pool layout {layout!r} is not supported (layer_first, page_first)")
+        dtype = _DTYPES.get(mem_pool_host.dtype)
+        if dtype is None:
+            raise ValueError(f"kvtier: host pool dtype {mem_pool_host.dtype} is not supported ({list(_DTYPES)})")
+        geometry = Geometry(
+            int(mem_pool_host.layer_num), int(mem_pool_host.head_num), int(mem_pool_host.head_dim),
+            dtype, int(mem_pool_host.page_size),
+        )
+        session = connect(self._target, self._client_name, auth_token=self._auth_token)
+        try:
+            if session.geometry != geometry:
+                raise KvtierError(
+                    f"kvtier: the sidecar serves {session.geometry}, SGLang's host pool is {geometry}: "
+                    "configure kvtier serve's model.* settings for this model"
+                )
+            pool = CpuPool.create(geometry, self._staging_slots)
+            try:
+                handle = session.register_pool(
+                    pool, self._model, tp_rank=self.config.tp_rank, tp_size=self.config.tp_size
+                )
+            except BaseException:
+                pool.close()
+                raise
+        except BaseException:
+            session.close()
+            raise
+        self._session, self._pool, self._handle = session, pool, handle
+
+    def close(self) -> None:
+        """Closes the session (the sidecar unregisters the staging pool) and removes the pool file."""
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def _ready(self) -> tuple[Session, CpuPool, PoolHandle]:
+        if self._session is None or self._pool is None or self._handle is None:
+            raise KvtierError("kvtier: no host pool registered yet (register_mem_pool_host)")
+        return self._session, self._pool, self._handle
+
+    # --- page copies between SGLang's host pool and the staging slots ----------------------
+
+    def _host_page(self, index: int) -> torch.Tensor:
+        """Page at token index ``index`` of the host pool as ``(layer, K|V, token, head, dim)``
+        (a strided view)."""
+        host = self.mem_pool_host
+        p = host.page_size
+        if host.layout == "layer_first":  # kv_buffer [2, layers, tokens, heads, dim]
+            return host.kv_buffer[:, :, index : index + p].permute(1, 0, 2, 3, 4)
+        # page_first: kv_buffer [2, tokens, layers, heads, dim]
+        return host.kv_buffer[:, index : index + p].permute(2, 0, 1, 3, 4)
+
+    def _flat_page(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat page in SGLang's order for this layout (what ``get_data_page(flat=True)``
+        gives and ``set_from_flat_data_page`` takes) as ``(layer, K|V, token, head, dim)``."""
+        h = self.mem_pool_host
+        if h.layout == "layer_first":
+            return flat.view(2, h.layer_num, h.page_size, h.head_num, h.head_dim).permute(1, 0, 2, 3, 4)
+        return flat.view(2, h.page_size, h.layer_num, h.head_num, h.head_dim).permute(2, 0, 1, 3, 4)
+
+    def _slot(self, pool: CpuPool, slot: int) -> torch.Tensor:
+        """Staging slot ``slot`` as a torch view ``(layer, K|V, token, head, dim)`` of the
+        host pool's dtype (numpy holds bf16 as raw 16-bit words)."""
+        arr = pool.kv[:, slot]
+        t = torch.from_numpy(arr) if arr.dtype != np.uint16 else torch.from_numpy(arr.view(np.int16))
+        return t.view(self.mem_pool_host.dtype)
+
+    # --- the page interface (interface_v1) -------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many leading pages of ``keys`` kvtier holds (host or disk)."""
+        session, _, handle = self._ready()
+        if not keys:
+            return 0
+        m = session.match(handle, BlockKeys.from_ints(page_key(k) for k in keys), cache_salt=self._salt)
+        return m.matched_blocks
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        """Loads pages ``keys`` into the host pool at ``host_indices`` (page_size indices per
+        page); one Load per staging batch. A page that is missing, and every page after it,
+        is False (SGLang uses the leading run)."""
+        session, pool, handle = self._ready()
+        p = self.mem_pool_host.page_size
+        out = [False] * len(keys)
+        with self._lock:
+            for start in range(0, len(keys), self._staging_slots):
+                run = keys[start : start + self._staging_slots]
+                done = session.load_wait(
+                    handle, BlockKeys.from_ints(page_key(k) for k in run), range(len(run)), cache_salt=self._salt
+                )
+                missing = set(done.missing)
+                for j, k in enumerate(run):
+                    if page_key(k) in missing:
+                        return out
+                    index = int(host_indices[(start + j) * p])
+                    self._host_page(index).copy_(self._slot(pool, j))
+                    out[start + j] = True
+        return out
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        """Stores the host pool's pages at ``host_indices`` under ``keys`` (one run of one
+        sequence); one Store per staging batch. A page kvtier refused (no host room, queue
+        full) is False."""
+        session, pool, handle = self._ready()
+        p = self.mem_pool_host.page_size
+        out = [False] * len(keys)
+        prefix = extra_info.prefix_keys if extra_info is not None and extra_info.prefix_keys else None
+        parent = page_key(prefix[-1]) if prefix else None
+        with self._lock:
+            for start in range(0, len(keys), self._staging_slots):
+                run = keys[start : start + self._staging_slots]
+                for j in range(len(run)):
+                    index = int(host_indices[(start + j) * p])
+                    self._slot(pool, j).copy_(self._host_page(index))
+                try:
+                    r = session.store(
+                        handle, BlockKeys.from_ints(page_key(k) for k in run), range(len(run)),
+                        parent=parent, cache_salt=self._salt,
+                    )
+                except KvtierError:
+                    return out
+                refused = set(r.no_space)
+                for j, k in enumerate(run):
+                    out[start + j] = page_key(k) not in refused
+                parent = page_key(run[-1])
+        return out
+
+    # --- the per-page interface (flat tensors), for SGLang's generic path ------------------
+
+    def exists(self, key: str) -> bool:
+        """Whether kvtier holds page ``key``."""
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        """Page ``key`` as a flat tensor in SGLang's flat page order for the host pool's layout (into ``target_location``
+        when given), or None when kvtier does not hold it."""
+        got = self.batch_get([key], [target_location] if target_location is not None else None)
+        return got[0] if isinstance(got, list) else None
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        """Pages ``keys`` as flat tensors (``target_locations``, or new ones); None from the
+        first missing page on."""
+        session, pool, handle = self._ready()
+        host = self.mem_pool_host
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        with self._lock:
+            for start in range(0, len(keys), self._staging_slots):
+                run = keys[start : start + self._staging_slots]
+                done = session.load_wait(
+                    handle, BlockKeys.from_ints(page_key(k) for k in run), range(len(run)), cache_salt=self._salt
+                )
+                missing = set(done.missing)
+                for j, k in enumerate(run):
+                    if page_key(k) in missing:
+                        return out
+                    dst = target_locations[start + j] if target_locations is not None else host.get_dummy_flat_data_page()
+                    self._flat_page(dst).copy_(self._slot(pool, j))
+                    out[start + j] = dst
+        return out
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        """Stores one flat page (SGLang's flat page order) under ``key``."""
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
+        """Stores flat pages ``values`` under ``keys``; True when kvtier took every one."""
+        session, pool, handle = self._ready()
+        with self._lock:
+            for start in range(0, len(keys), self._staging_slots):
+                run = keys[start : start + self._staging_slots]
+                for j in range(len(run)):
+                    self._slot(pool, j).copy_(self._flat_page(values[start + j]))
+                try:
+                    r = session.store(
+                        handle, BlockKeys.from_ints(page_key(k) for k in run), range(len(run)), cache_salt=self._salt
+                    )
+                except KvtierError:
+                    return False
+                if len(r.no_space) > 0:
+                    return False
+        return True
+
+    def clear(self) -> None:
+        """Forgets this model's pages (this namespace and salt) in every kvtier tier."""
+        session, _, handle = self._ready()
+        session.clear(handle, cache_salt=self._salt)
+
+    def get_stats(self) -> Any:
+        """The sidecar's counters (:class:`kvtier.Stats`)."""
+        session, _, _ = self._ready()
+        return session.stats()
