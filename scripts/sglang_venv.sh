@@ -12,7 +12,7 @@ if [ "$(cat "$venv/.made" 2>/dev/null)" != "$want" ]; then
     "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps "sglang==$sglang_version"
     "$venv/bin/pip" install --quiet --disable-pip-version-check \
         -r scripts/sglang-requirements.txt -r python/requirements-client.txt 2>&1 |
-        grep -v "dependency resolver\|requires .*, but you have\|which is incompatible" || true
+        grep -v "dependency resolver\|^sglang .* requires " || true
     "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps -e ./python
     "$venv/bin/python" -m sglang.bench_serving --help >/dev/null
     echo "$want" >"$venv/.made"
