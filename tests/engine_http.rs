@@ -296,6 +296,43 @@ fn stop_sequences_parameters_and_error_shapes() {
     assert_eq!(streamed(port, &req), (full[..at].to_owned(), "stop".to_owned()));
     assert_eq!(streamed(port, &base), (full.clone(), "length".to_owned()));
 
+    // SGLang's return_cached_tokens_details: sglext.cached_tokens_details on the reply and on
+    // a stream's finishing chunk (what bench_serving's --cache-report reads on sglang-oai),
+    // agreeing with usage; absent unless asked.
+    let mut ask = base.clone();
+    ask["return_cached_tokens_details"] = Value::Bool(true);
+    let r = json(&http(port, "POST", "/v1/completions", &ask.to_string()).1);
+    let d = &r["sglext"]["cached_tokens_details"];
+    let cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > 0, "the prompt was seen before: {r}");
+    assert_eq!(
+        d["device"].as_u64().unwrap() + d["host"].as_u64().unwrap() + d["storage"].as_u64().unwrap(),
+        cached,
+        "{r}"
+    );
+    assert!(json(&http(port, "POST", "/v1/completions", &base.to_string()).1)["sglext"].is_null());
+    ask["stream"] = Value::Bool(true);
+    let (_, sse) = http(port, "POST", "/v1/completions", &ask.to_string());
+    let with: Vec<Value> = sse
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|e| *e != "[DONE]")
+        .map(json)
+        .filter(|v| !v["sglext"].is_null())
+        .collect();
+    assert_eq!(with.len(), 1, "only the finishing chunk: {sse}");
+    assert_eq!(with[0]["sglext"]["cached_tokens_details"], *d);
+    let chat = serde_json::json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                  "return_cached_tokens_details": true});
+    let (status, body) = http(port, "POST", "/v1/chat/completions", &chat.to_string());
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        json(&body)["sglext"]["cached_tokens_details"].is_object(),
+        "{body}"
+    );
+
     // stop_token_ids end at that token; min_tokens keeps them out of the first tokens.
     let generate = serde_json::json!({"input_ids": prompt, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": true}});
     let (_, g) = http(port, "POST", "/generate", &generate.to_string());

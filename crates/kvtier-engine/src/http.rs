@@ -259,6 +259,9 @@ struct CompletionRequest {
     min_tokens: usize,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
+    /// SGLang's: add `sglext.cached_tokens_details` to the reply.
+    #[serde(default)]
+    return_cached_tokens_details: bool,
     /// Each token's log-probability and this many alternatives.
     #[serde(default)]
     logprobs: Option<usize>,
@@ -304,6 +307,7 @@ const COMPLETION_FIELDS: &[&str] = &[
     "echo",
     // An end-user id for the operator's logs; it changes nothing in the output.
     "user",
+    "return_cached_tokens_details",
 ];
 
 fn default_max_tokens() -> usize {
@@ -493,12 +497,14 @@ fn sse(
 }
 
 /// A streamed chunk as events: the finishing one (with `usage`) carries the usage (cached
-/// tokens by tier); with `include_usage` a last chunk without choices repeats it, as OpenAI's.
-fn finishing(mut v: Value, usage: Option<&Usage>, include_usage: bool) -> Vec<Event> {
+/// tokens by tier, and SGLang's `sglext` when asked); with `include_usage` a last chunk without
+/// choices repeats it, as OpenAI's.
+fn finishing(mut v: Value, usage: Option<&Usage>, include_usage: bool, sglext: bool) -> Vec<Event> {
     let Some(u) = usage else {
         return vec![Event::default().data(v.to_string())];
     };
     v["usage"] = usage_json(u);
+    with_sglext(&mut v, u, sglext);
     let mut events = vec![Event::default().data(v.to_string())];
     if include_usage {
         v["choices"] = json!([]);
@@ -604,22 +610,24 @@ async fn completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Respons
         } else {
             Value::Null
         };
-        return Ok(Json(json!({
+        let mut v = json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": format!("{echo}{text}"), "logprobs": logprobs, "finish_reason": finish_str(c.reason)}],
             "usage": usage_json(&c.usage),
-        }))
-        .into_response());
+        });
+        with_sglext(&mut v, &c.usage, r.return_cached_tokens_details);
+        return Ok(Json(v).into_response());
     }
     let state = Arc::clone(&s);
     let mut detok = Detok::new(stops);
     let include_usage = r.stream_options.is_some_and(|o| o.include_usage);
+    let sglext = r.return_cached_tokens_details;
     let chunk = move |text: String, logprobs: Value, finish: Option<&str>, usage: Option<&Usage>| {
         let v = json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
         });
-        finishing(v, usage, include_usage)
+        finishing(v, usage, include_usage, sglext)
     };
     let mut offset = echo.len();
     let first = if echo.is_empty() {
@@ -676,6 +684,9 @@ struct ChatRequest {
     stream: bool,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
+    /// SGLang's: add `sglext.cached_tokens_details` to the reply.
+    #[serde(default)]
+    return_cached_tokens_details: bool,
     #[serde(default)]
     stop: Option<Value>,
     #[serde(default)]
@@ -714,6 +725,7 @@ const CHAT_FIELDS: &[&str] = &[
     "user",
     "logprobs",
     "top_logprobs",
+    "return_cached_tokens_details",
 ];
 
 fn is_null_or_empty_list(v: &Value) -> bool {
@@ -827,21 +839,23 @@ async fn chat_completions(State(s): State<Arc<AppState>>, b: Bytes) -> Result<Re
         } else {
             Value::Null
         };
-        return Ok(Json(json!({
+        let mut v = json!({
             "id": id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                          "finish_reason": finish_str(c.reason)}],
             "usage": usage_json(&c.usage),
-        }))
-        .into_response());
+        });
+        with_sglext(&mut v, &c.usage, r.return_cached_tokens_details);
+        return Ok(Json(v).into_response());
     }
     let include_usage = r.stream_options.is_some_and(|o| o.include_usage);
+    let sglext = r.return_cached_tokens_details;
     let chunk = move |delta: Value, logprobs: Value, finish: Option<&str>, usage: Option<&Usage>| {
         let v = json!({
             "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
         });
-        finishing(v, usage, include_usage)
+        finishing(v, usage, include_usage, sglext)
     };
     let state = Arc::clone(&s);
     let mut detok = Detok::new(stops);
@@ -982,6 +996,15 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             min_new_tokens: 0,
         }
+    }
+}
+
+/// SGLang's OpenAI-route extension: with `return_cached_tokens_details`, a reply (or a stream's
+/// finishing chunk) carries `sglext.cached_tokens_details`, which SGLang's
+/// `bench_serving.py --cache-report` reads for its `sglang-oai` backends.
+fn with_sglext(v: &mut Value, u: &Usage, on: bool) {
+    if on {
+        v["sglext"] = json!({"cached_tokens_details": cached_details(&u.cached)});
     }
 }
 
