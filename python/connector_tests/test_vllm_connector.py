@@ -1,0 +1,338 @@
+"""kvtier.integrations.vllm through vLLM's own classes, against a real `kvtier serve`.
+
+The scheduler side is made by vLLM's real Scheduler from a VllmConfig whose kv_transfer_config
+names the connector by module path (as `--kv-transfer-config` does); requests whose prefixes
+were stored earlier come back with the matched token counts. The worker side gets per-layer KV
+caches allocated by vLLM's own allocate_kv_cache (CPU, in two physical layouts) and moves them
+bit-exact. The model is a tiny Llama config written to a temporary directory (no weights, no
+tokenizer). Run by scripts/test_connectors.sh in its vLLM venv; not part of
+`scripts/test_python.sh`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from sidecar import Sidecar, start_sidecar  # noqa: E402
+
+import kvtier  # noqa: E402
+from kvtier.integrations.vllm import (  # noqa: E402
+    KvtierConnector,
+    KvtierConnectorMetadata,
+    LoadSpec,
+    SaveSpec,
+)
+
+LAYERS, HEADS, DIM, BLOCK = 4, 2, 16, 16
+NUM_BLOCKS = 64
+EOS = 2
+GEOMETRY = ("--set", f"model.layers={LAYERS}", "--set", f"model.kv_heads={HEADS}", "--set", f"model.head_dim={DIM}",
+            "--set", "model.dtype=f16", "--set", f"model.block_tokens={BLOCK}")
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
+    sc = start_sidecar(tmp_path_factory.mktemp("sidecar"), geometry=GEOMETRY, host_capacity="64MiB")
+    yield sc
+    sc.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    d = tmp_path_factory.mktemp("model")
+    LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                num_attention_heads=4, num_key_value_heads=HEADS, head_dim=DIM,
+                max_position_embeddings=4096, eos_token_id=EOS).save_pretrained(d)
+    return str(d)
+
+
+def vllm_config(sidecar: Sidecar, model_dir: str, **extra: Any) -> VllmConfig:
+    model = ModelConfig(model=model_dir, dtype="float16", seed=0, skip_tokenizer_init=True, max_model_len=4096)
+    return VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096,
+                                         enable_chunked_prefill=True, is_encoder_decoder=False,
+                                         disable_hybrid_kv_cache_manager=True),
+        cache_config=CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
+                                 enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm", kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"sidecar": sidecar.target, "model_name": "test/tiny-llama", **extra},
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def kv_cache_config(layout: KVCacheLayout = KVCacheLayout.LBNHC, heads: int = HEADS) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=DIM, dtype=torch.float16)
+    page = spec.page_size_bytes
+    if layout.is_block_outermost:  # a block holds every layer's page
+        tensor = KVCacheTensor(size=page * NUM_BLOCKS * LAYERS, layers=NAMES, layer_stride=page,
+                               block_stride=page * LAYERS)
+    else:
+        tensor = KVCacheTensor(size=page * NUM_BLOCKS * LAYERS, layers=NAMES, layer_stride=page * NUM_BLOCKS,
+                               block_stride=page)
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[tensor],
+                         kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+
+
+def scheduler(config: VllmConfig, kcc: KVCacheConfig) -> Scheduler:
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    s = Scheduler(vllm_config=config, kv_cache_config=kcc, log_stats=True,
+                  structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
+    s.published = []  # type: ignore[attr-defined]
+    s.kv_event_publisher.publish = s.published.append  # type: ignore[method-assign]
+    return s
+
+
+_hashing = [False]
+
+
+def request(rid: str, tokens: list[int], max_tokens: int = 1, cache_salt: str | None = None) -> Request:
+    if not _hashing[0]:
+        init_none_hash(sha256)
+        _hashing[0] = True
+    params = SamplingParams(max_tokens=max_tokens)
+    params.update_from_generation_config({}, EOS)
+    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=params, pooling_params=None,
+                   mm_features=None, block_hasher=get_request_block_hasher(BLOCK, sha256), cache_salt=cache_salt)
+
+
+def worker(config: VllmConfig, kcc: KVCacheConfig, layout: KVCacheLayout = KVCacheLayout.LBNHC,
+           ) -> tuple[KvtierConnector, dict[str, torch.Tensor]]:
+    caches = allocate_kv_cache(kcc, torch.device("cpu"), layout)
+    w = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
+    w.register_kv_caches(caches)
+    return w, caches
+
+
+def kvtier_view(caches: dict[str, torch.Tensor], block: int) -> torch.Tensor:
+    """One block of every layer as kvtier's (layer, K|V, token, head, dim), whatever the layout."""
+    return torch.stack([caches[n][block].unflatten(-1, (2, DIM)).permute(2, 1, 0, 3) for n in NAMES])
+
+
+def forward(w: KvtierConnector, caches: dict[str, torch.Tensor], out: Any) -> KVConnectorOutput:
+    """What vLLM's model runner does around a forward: bind the metadata, start the loads, per
+    layer wait for its load and save it; then wait for the saves and collect the worker's output."""
+    w.bind_connector_metadata(out.kv_connector_metadata)
+    w.start_load_kv(None)  # type: ignore[arg-type]
+    for name in NAMES:
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name, caches[name], None)
+    w.wait_for_save()
+    w.flush()
+    meta = w.build_connector_worker_meta()
+    w.clear_connector_metadata()
+    return KVConnectorOutput(kv_connector_worker_meta=meta, invalid_block_ids=w.get_block_ids_with_load_errors())
+
+
+def compute(caches: dict[str, torch.Tensor], block_ids: list[int], gen: torch.Generator,
+            written: dict[int, torch.Tensor]) -> None:
+    """The "model" writes KV for blocks it computes (random, remembered per block)."""
+    for b in block_ids:
+        for n in NAMES:
+            caches[n][b] = torch.randn(caches[n][b].shape, generator=gen).to(torch.float16)
+        written[b] = kvtier_view(caches, b).clone()
+
+
+def step(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor], gen: torch.Generator,
+         written: dict[int, torch.Tensor]) -> Any:
+    out = s.schedule()
+    # The model computes the scheduled tokens' blocks (the loaded ones are not computed).
+    for r in out.scheduled_new_reqs:
+        first = r.num_computed_tokens // BLOCK
+        last = -(-(r.num_computed_tokens + out.num_scheduled_tokens[r.req_id]) // BLOCK)
+        compute(caches, r.block_ids[0][first:last], gen, written)
+    cached = out.scheduled_cached_reqs
+    for i, rid in enumerate(cached.req_ids):
+        ids = s.kv_cache_manager.get_block_ids(rid)[0]
+        first = cached.num_computed_tokens[i] // BLOCK
+        last = -(-(cached.num_computed_tokens[i] + out.num_scheduled_tokens[rid]) // BLOCK)
+        compute(caches, ids[first:last], gen, written)
+    kvo = forward(w, caches, out)
+    reqs = list(out.num_scheduled_tokens)
+    # A token is sampled once a request's prompt is all computed (none for a prefill chunk);
+    # schedule() has already advanced num_computed_tokens.
+    done = {r: s.requests[r].num_computed_tokens >= s.requests[r].num_prompt_tokens for r in reqs}
+    mro = ModelRunnerOutput(req_ids=reqs, sampled_token_ids=[[7] if done[r] else [] for r in reqs],
+                            kv_connector_output=kvo)
+    s.update_from_output(out, mro)
+    return out
+
+
+def run_to_end(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor], gen: torch.Generator,
+               written: dict[int, torch.Tensor]) -> list[Any]:
+    outs = []
+    while s.has_unfinished_requests():
+        outs.append(step(s, w, caches, gen, written))
+        assert len(outs) < 20
+    return outs
+
+
+def test_scheduler_matches_stored_prefixes_and_worker_loads_bit_exact(sidecar: Sidecar, model_dir: str) -> None:
+    config = vllm_config(sidecar, model_dir, staging_slots=32)
+    kcc = kv_cache_config()
+    s = scheduler(config, kcc)
+    assert isinstance(s.connector, KvtierConnector)
+    w, caches = worker(config, kcc)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        # A: 5 whole blocks + 4 tokens, prefilled in two chunks (64-token budget); nothing stored yet.
+        prompt = torch.randint(100, 30000, (5 * BLOCK + 4,), generator=gen).tolist()
+        written: dict[int, torch.Tensor] = {}
+        s.add_request(request("a", prompt))
+        outs = run_to_end(s, w, caches, gen, written)
+        assert outs[0].scheduled_new_reqs[0].num_computed_tokens == 0
+        # Saved: blocks 0-3 after the first chunk, block 4 after the second (not the partial tail).
+        saves = [sp for o in outs for sp in o.kv_connector_metadata.saves]
+        assert [(sp.req_id, len(sp.block_ids), sp.first_block) for sp in saves] == [("a", 4, 0), ("a", 1, 4)]
+        a_blocks = saves[0].block_ids + saves[1].block_ids
+        stored_kv = [written[b] for b in a_blocks]
+        # Its 5 whole blocks were saved (over two steps) and published as BlockStored events.
+        events = [e for batch in s.published for e in batch.events if isinstance(e, BlockStored)]
+        assert [e.medium for e in events] == ["KVTIER"] * 5
+        keys = kvtier.Namespace("test/tiny-llama", kvtier.Geometry(LAYERS, HEADS, DIM, "f16", BLOCK)).keys(prompt)
+        assert [e.block_hashes[0] for e in events] == list(keys)
+        assert events[1].parent_block_hash == keys[0] and events[0].token_ids == prompt[:BLOCK]
+
+        # The device forgets: vLLM's prefix cache is reset and its blocks zeroed.
+        assert s.reset_prefix_cache()
+        for t in caches.values():
+            t.zero_()
+
+        # B shares A's 5 blocks: the scheduler schedules only the rest, the worker loads the 5.
+        s.add_request(request("b", prompt[: 5 * BLOCK] + [11] * 10))
+        out = step(s, w, caches, gen, written)
+        nr = out.scheduled_new_reqs[0]
+        assert nr.num_computed_tokens == 5 * BLOCK
+        assert out.num_scheduled_tokens["b"] == 10
+        assert not s.has_unfinished_requests(), "b finished in one step: its load was good (no recompute)"
+        meta = out.kv_connector_metadata
+        assert isinstance(meta, KvtierConnectorMetadata) and len(meta.loads) == 1
+        assert meta.loads[0].block_ids == nr.block_ids[0][:5]
+        for i, b in enumerate(nr.block_ids[0][:5]):
+            assert torch.equal(kvtier_view(caches, b).view(torch.int16), stored_kv[i].view(torch.int16)), i
+        run_to_end(s, w, caches, gen, written)
+
+        # C is exactly A's 5 blocks: the match is capped so that the last token is computed.
+        s.reset_prefix_cache()
+        s.add_request(request("c", prompt[: 5 * BLOCK]))
+        out = step(s, w, caches, gen, written)
+        assert out.scheduled_new_reqs[0].num_computed_tokens == 4 * BLOCK
+        assert out.num_scheduled_tokens["c"] == BLOCK
+        run_to_end(s, w, caches, gen, written)
+
+        # Another cache salt matches nothing; a different first block matches nothing.
+        s.reset_prefix_cache()
+        s.add_request(request("d", prompt, cache_salt="tenant-2"))
+        s.add_request(request("e", [5] + prompt[1:]))
+        outs = run_to_end(s, w, caches, gen, written)
+        assert {r.req_id: r.num_computed_tokens for o in outs for r in o.scheduled_new_reqs} == {"d": 0, "e": 0}
+
+        # Blocks evicted between Match and Load are reported as load errors (vLLM recomputes).
+        s.reset_prefix_cache()
+        s.add_request(request("f", prompt[: 3 * BLOCK] + [12] * 5))
+        out = s.schedule()
+        assert out.scheduled_new_reqs[0].num_computed_tokens == 3 * BLOCK
+        with kvtier.connect(sidecar.target, "clearer") as other:
+            other.clear(all=True)
+        w.bind_connector_metadata(out.kv_connector_metadata)
+        w.start_load_kv(None)  # type: ignore[arg-type]
+        for name in NAMES:
+            w.wait_for_layer_load(name)
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == set(out.scheduled_new_reqs[0].block_ids[0][:3])
+        w.flush()
+        w.clear_connector_metadata()
+    finally:
+        w.shutdown()
+        s.connector.shutdown()
+
+
+@pytest.mark.parametrize("layouts", [(KVCacheLayout.LBNHC, KVCacheLayout.BLNHC), (KVCacheLayout.BLNHC, KVCacheLayout.LBHNC)])
+def test_worker_moves_blocks_bit_exact_across_layouts_and_staging_runs(
+        sidecar: Sidecar, model_dir: str, layouts: tuple[KVCacheLayout, KVCacheLayout]) -> None:
+    """Worker A (one physical layout) stores 10 blocks through a 4-slot staging pool; worker B
+    (another layout) loads them into other block ids, bit-exact; the 5-D
+    [2, blocks, token, head, dim] tensors of older vLLM read the same."""
+    config = vllm_config(sidecar, model_dir, staging_slots=4, cache_salt=f"layouts-{layouts[0].name}")
+    kcc = kv_cache_config()
+    a, a_caches = worker(config, kcc, layouts[0])
+    b, b_caches = worker(config, kcc, layouts[1])
+    try:
+        gen = torch.Generator().manual_seed(1)
+        for t in a_caches.values():
+            t.copy_(torch.randn(t.shape, generator=gen).to(torch.float16))
+        tokens = torch.randint(0, 30000, (10 * BLOCK,), generator=gen).tolist()
+        salt = f"layouts-{layouts[0].name}"
+        keys = kvtier.Namespace("test/tiny-llama", kvtier.Geometry(LAYERS, HEADS, DIM, "f16", BLOCK), cache_salt=salt).keys(tokens)
+        src = list(range(3, 13))
+        a.bind_connector_metadata(KvtierConnectorMetadata(saves=[SaveSpec("x", keys.packed, src, None, salt)]))
+        a.wait_for_save()
+        a.flush()
+        stored = a.build_connector_worker_meta()
+        assert stored is not None and stored.stored == list(keys)
+        dst = list(range(40, 50))
+        b.bind_connector_metadata(KvtierConnectorMetadata(loads=[LoadSpec("y", keys.packed, dst, salt)]))
+        b.start_load_kv(None)  # type: ignore[arg-type]
+        for name in NAMES:
+            b.wait_for_layer_load(name)
+        b.wait_for_save()
+        assert b.get_block_ids_with_load_errors() == set()
+        for s_, d in zip(src, dst):
+            assert torch.equal(kvtier_view(b_caches, d).view(torch.int16), kvtier_view(a_caches, s_).view(torch.int16))
+        # Older vLLM's [2, blocks, token, head, dim] per layer.
+        old = {n: torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM, dtype=torch.float16) for n in NAMES}
+        c = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
+        c.register_kv_caches(old)
+        try:
+            c.bind_connector_metadata(KvtierConnectorMetadata(loads=[LoadSpec("z", keys.packed, dst, salt)]))
+            c.start_load_kv(None)  # type: ignore[arg-type]
+            c.wait_for_save()
+            for i, n in enumerate(NAMES):
+                for s_, d in zip(src, dst):
+                    want = kvtier_view(a_caches, s_)[i]  # (K|V, token, head, dim)
+                    assert torch.equal(old[n][:, d].view(torch.int16), want.view(torch.int16))
+        finally:
+            c.shutdown()
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_geometry_the_sidecar_does_not_serve_is_refused(sidecar: Sidecar, model_dir: str) -> None:
+    config = vllm_config(sidecar, model_dir)
+    with pytest.raises(Exception, match="model.\\* settings"):
+        KvtierConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(heads=HEADS * 2))
+
+
+def test_cuda_kv_caches_are_refused_until_the_device_path_exists(sidecar: Sidecar, model_dir: str) -> None:
+    config = vllm_config(sidecar, model_dir)
+    w = KvtierConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+    meta = {n: torch.empty(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM, dtype=torch.float16, device="meta") for n in NAMES}
+    with pytest.raises(NotImplementedError, match="CUDA device path"):
+        w.register_kv_caches(meta)
+    w.shutdown()

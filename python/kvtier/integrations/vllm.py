@@ -1,0 +1,725 @@
+"""kvtier as a vLLM KV connector (``KVConnectorBase_V1``): vLLM's KV blocks are stored in and
+loaded from a kvtier sidecar.
+
+vLLM loads it by its module path::
+
+    kvtier serve --set model.layers=28 --set model.kv_heads=8 --set model.head_dim=128 \\
+        --set model.dtype=bf16 --set model.block_tokens=16 &      # block = vLLM's block size
+    vllm serve Qwen/Qwen3-8B --block-size 16 --disable-hybrid-kv-cache-manager \\
+        --kv-transfer-config '{"kv_connector": "KvtierConnector",
+            "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"sidecar": "unix:///run/kvtier/kvtier.sock"}}'
+
+Scheduler side (one per engine): :meth:`~KvtierConnector.get_num_new_matched_tokens` computes
+the request's kvtier block keys from its token ids and cache salt (kvtier's own key function,
+:mod:`kvtier.keys`, in the namespace model + geometry + TP rank/size) and asks the sidecar with
+one ``Match``; the leading run found (capped so that at least the prompt's last token is
+computed) is what vLLM loads instead of computing. :meth:`~KvtierConnector.update_state_after_alloc`
+records the blocks vLLM allocated for it; :meth:`~KvtierConnector.build_connector_meta` turns
+each step into loads (keys → vLLM block ids) and saves (every full block computed by the end
+of the step and not yet in kvtier). The scheduler registers a one-slot pool only to name the
+namespace in ``Match``.
+
+Worker side (one per TP rank): :meth:`~KvtierConnector.register_kv_caches` takes vLLM's
+per-layer KV tensors. CPU tensors go through a shared-memory staging pool (``staging_slots``
+blocks, the sidecar's geometry) because the sidecar cannot map vLLM's memory; CUDA tensors
+need kvtier's CUDA device path (IPC handles), which does not exist yet, and are refused.
+:meth:`~KvtierConnector.start_load_kv` opens one ``Load`` per request (layer events),
+:meth:`~KvtierConnector.wait_for_layer_load` waits for the layer's ``LayerReady`` and copies
+that layer out of the staging slots into vLLM's blocks; :meth:`~KvtierConnector.wait_for_save`
+copies the step's saved blocks into staging slots and sends one ``Store`` per request on a
+background thread (the slots are freed when it returns), so vLLM's blocks are free as soon as
+the copy is done; :meth:`~KvtierConnector.get_finished` reaps the finished stores, whose keys
+go back to the scheduler (worker metadata) and come out of
+:meth:`~KvtierConnector.take_events` as ``BlockStored`` events (medium ``KVTIER``). Blocks a
+load could not bring (evicted since ``Match``) are reported by
+:meth:`~KvtierConnector.get_block_ids_with_load_errors`, for vLLM to recompute them.
+
+Copies reorder each block between vLLM's per-layer views (``[block, head, token, K‖V]``, the
+standardized ``[B, H, N, C]`` views of vLLM ≥ 0.34, any physical layout; or the older
+``[2, block, token, head, dim]``) and kvtier's ``[layer][K|V][token][head][dim]``.
+
+``kv_connector_extra_config`` keys: ``sidecar`` (a target as :func:`kvtier.connect` takes),
+``auth_token``, ``staging_slots`` (default 256), ``model_name`` (default vLLM's served model
+name), ``cache_salt`` (for requests without one), ``client_name``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_events import BlockStored, KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.logger import init_logger
+
+from ..client import connect
+from ..errors import KvtierError
+from ..geometry import Geometry
+from ..keys import BlockKeys
+from ..pool import CpuPool
+from ..results import BlocksMissing, LayerReady, LoadDone, PoolHandle
+from ..session import LoadStream, Session
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+_DTYPES = {
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float32: "f32",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+}
+_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+MEDIUM = "KVTIER"
+
+
+def kv_geometry(kv_cache_config: KVCacheConfig) -> tuple[Geometry, list[str]]:
+    """kvtier's geometry of vLLM's KV cache config, and its attention layers in order: one
+    KV cache group of full attention with K and V of one head size (what kvtier's block
+    layout holds). Anything else is refused by name."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"kvtier: {len(groups)} KV cache groups; kvtier holds one (full attention, "
+                         "--disable-hybrid-kv-cache-manager)")
+    spec = groups[0].kv_cache_spec
+    for attr in ("num_kv_heads", "head_size", "dtype", "block_size"):
+        if not hasattr(spec, attr):
+            raise ValueError(f"kvtier: KV cache spec {type(spec).__name__} is not attention")
+    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        raise ValueError(f"kvtier: K head size {spec.head_size} != V head size {spec.head_size_v}")
+    if getattr(spec, "state_content_bytes", None) is not None or getattr(spec, "num_head_slots", None) is not None:
+        raise ValueError(f"kvtier: packed KV cache spec {type(spec).__name__} is not supported")
+    dtype = _DTYPES.get(spec.dtype)
+    if dtype is None:
+        raise ValueError(f"kvtier: KV cache dtype {spec.dtype} is not supported ({list(_DTYPES)})")
+    names = list(groups[0].layer_names)
+    return Geometry(len(names), int(spec.num_kv_heads), int(spec.head_size), dtype, int(spec.block_size)), names
+
+
+# --- metadata ------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadSpec:
+    """Load ``keys`` (packed) into vLLM blocks ``block_ids``, one block each."""
+
+    req_id: str
+    keys: bytes
+    block_ids: list[int]
+    cache_salt: str = ""
+    #: The tokens of those blocks' whole prefix, for TP ranks other than 0 (their own keys).
+    token_ids: list[int] | None = None
+    first_block: int = 0
+
+
+@dataclass
+class SaveSpec:
+    """Store vLLM blocks ``block_ids`` under ``keys`` (packed), a contiguous run of one
+    sequence whose block before is ``parent`` (None: the run starts it)."""
+
+    req_id: str
+    keys: bytes
+    block_ids: list[int]
+    parent: int | None = None
+    cache_salt: str = ""
+    token_ids: list[int] | None = None
+    first_block: int = 0
+
+
+@dataclass
+class KvtierConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler side hands the workers for one step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers report back: keys kvtier now holds (finished stores)."""
+
+    stored: list[int] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KvtierWorkerMetadata)
+        return KvtierWorkerMetadata(self.stored + [k for k in other.stored if k not in set(self.stored)])
+
+
+# --- copies between vLLM's per-layer views and kvtier's block layout ------------------------
+
+
+def blocks_to_kvtier(kv_layer: torch.Tensor, block_ids: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """vLLM blocks ``block_ids`` of one layer as kvtier's ``(n, K|V, token, head, dim)``
+    (a gathered copy, strided)."""
+    if kv_layer.dim() == 4:  # [B, H, N, K‖V]
+        return kv_layer.index_select(0, block_ids).unflatten(-1, (2, head_dim)).permute(0, 3, 2, 1, 4)
+    return kv_layer.index_select(1, block_ids).transpose(0, 1)  # [2, B, N, H, D]
+
+
+def kvtier_to_blocks(kv_layer: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+    """Writes kvtier's ``(n, K|V, token, head, dim)`` ``src`` into vLLM blocks ``block_ids``
+    of one layer."""
+    if kv_layer.dim() == 4:
+        n, _, t, h, d = src.shape
+        kv_layer[block_ids] = src.permute(0, 3, 2, 1, 4).reshape(n, h, t, 2 * d).to(kv_layer.device)
+    else:
+        kv_layer[:, block_ids] = src.transpose(0, 1).to(kv_layer.device)
+
+
+# --- the connector -------------------------------------------------------------------------
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    #: Leading blocks kvtier holds (matched, loaded or planned to be saved).
+    known_blocks: int = 0
+    keys: BlockKeys = field(default_factory=BlockKeys)
+
+
+@dataclass
+class _ActiveLoad:
+    spec: LoadSpec
+    keys: BlockKeys
+    slots: list[int]
+    stream: LoadStream | None
+    ready_layer: int = -1
+    copied: int = -1
+    done: LoadDone | None = None
+    missing: set[int] = field(default_factory=set)
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    """A vLLM v1 KV connector on a kvtier sidecar (see the module's documentation)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._target: str | None = extra.get("sidecar")
+        self._auth_token: str | None = extra.get("auth_token")
+        self._staging_slots = int(extra.get("staging_slots", 256))
+        if self._staging_slots < 1:
+            raise ValueError(f"staging_slots = {self._staging_slots}: give at least 1")
+        mc = vllm_config.model_config
+        self._model = str(extra.get("model_name") or getattr(mc, "served_model_name", None) or mc.model)
+        self._salt = str(extra.get("cache_salt", ""))
+        self._geometry, self._layer_names = kv_geometry(kv_cache_config)
+        self._block_size = self._geometry.block_tokens
+        self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self._tp_rank = 0
+        if role == KVConnectorRole.WORKER and self._tp_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._tp_rank = get_tensor_model_parallel_rank()
+        name = extra.get("client_name") or f"vllm-{role.name.lower()}-tp{self._tp_rank}"
+        self._session: Session | None = None
+        self._pool: CpuPool | None = None
+        self._handle: PoolHandle | None = None
+        # scheduler side
+        self._reqs: dict[str, _ReqState] = {}
+        self._matched: dict[str, int] = {}
+        self._loads: dict[str, LoadSpec] = {}
+        self._block_info: dict[int, tuple[int | None, list[int]]] = {}
+        self._events: list[KVCacheEvent] = []
+        self._kv_cache_manager: KVCacheManager | None = None
+        # worker side
+        self._kv_caches: list[torch.Tensor] = []
+        self._staging: torch.Tensor | None = None
+        self._free: deque[int] = deque()
+        self._slot_lock = threading.Condition()
+        self._active_loads: list[_ActiveLoad] = []
+        self._load_errors: set[int] = set()
+        self._stores: deque[Future[list[int]]] = deque()
+        self._stored_keys: list[int] = []
+        self._executor: ThreadPoolExecutor | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._open(name, 1)
+        else:
+            self._client_name = name
+
+    # --- session and pools -----------------------------------------------------------------
+
+    def _open(self, client_name: str, slots: int) -> None:
+        session = connect(self._target, client_name, auth_token=self._auth_token)
+        try:
+            if session.geometry != self._geometry:
+                raise KvtierError(
+                    f"kvtier: the sidecar serves {session.geometry}, vLLM's KV cache is {self._geometry}: "
+                    "configure kvtier serve's model.* settings for this model"
+                )
+            pool = CpuPool.create(self._geometry, slots)
+            try:
+                handle = session.register_pool(pool, self._model, tp_rank=self._tp_rank, tp_size=self._tp_size)
+            except BaseException:
+                pool.close()
+                raise
+        except BaseException:
+            session.close()
+            raise
+        self._session, self._pool, self._handle = session, pool, handle
+
+    def _ready(self) -> tuple[Session, PoolHandle]:
+        if self._session is None or self._handle is None:
+            raise KvtierError("kvtier: no session yet (register_kv_caches)")
+        return self._session, self._handle
+
+    def shutdown(self) -> None:
+        """Waits for the stores in flight, closes the session (the sidecar unregisters the
+        pool) and removes the pool file."""
+        if self._executor is not None:
+            self._reap(block=True)
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        for a in self._active_loads:
+            if a.stream is not None:
+                a.stream.cancel()
+        self._active_loads = []
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+        if self._pool is not None:
+            self._staging = None
+            self._pool.close()
+            self._pool = None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a later miss
+
+    def _keys(self, st: _ReqState, blocks: int, salt: str) -> BlockKeys:
+        """The request's first ``blocks`` block keys (extending the ones computed before)."""
+        _, handle = self._ready()
+        have = len(st.keys)
+        if blocks > have:
+            toks = list(st.request.all_token_ids[have * self._block_size : blocks * self._block_size])
+            parent = st.keys[have - 1] if have else None
+            st.keys = st.keys + handle.keys(toks, cache_salt=salt, parent=parent)
+        return st.keys[:blocks]
+
+    def _salt_of(self, request: Request) -> str:
+        return str(getattr(request, "cache_salt", None) or self._salt)
+
+    # ==========================================================================================
+    # Scheduler side
+    # ==========================================================================================
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens kvtier holds beyond ``num_computed_tokens``: one ``Match`` by the request's
+        block keys, the leading run found, capped to leave the last token to compute."""
+        session, handle = self._ready()
+        salt = self._salt_of(request)
+        full = (request.num_tokens - 1) // self._block_size
+        st = self._reqs.get(request.request_id)
+        if st is None or st.request is not request:
+            st = _ReqState(request)
+            self._reqs[request.request_id] = st
+        if full <= num_computed_tokens // self._block_size:
+            self._matched[request.request_id] = 0
+            return 0, False
+        keys = self._keys(st, full, salt)
+        try:
+            m = session.match(handle, keys, cache_salt=salt)
+        except KvtierError as e:
+            logger.warning("kvtier: match failed (%s); computing request %s", e, request.request_id)
+            self._matched[request.request_id] = 0
+            return 0, False
+        self._matched[request.request_id] = m.matched_blocks
+        return max(0, m.matched_blocks * self._block_size - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Records the request; with external tokens, a load of those blocks into the blocks
+        vLLM allocated for them."""
+        st = self._reqs.get(request.request_id)
+        if st is None or st.request is not request:
+            st = _ReqState(request)
+            self._reqs[request.request_id] = st
+        matched = self._matched.pop(request.request_id, 0)
+        st.known_blocks = matched
+        if num_external_tokens <= 0:
+            return
+        bs = self._block_size
+        first = (request.num_computed_tokens) // bs
+        last = (request.num_computed_tokens + num_external_tokens) // bs
+        salt = self._salt_of(request)
+        keys = self._keys(st, last, salt)
+        block_ids = list(blocks.get_block_ids()[0][first:last])
+        self._loads[request.request_id] = LoadSpec(
+            request.request_id, keys[first:last].packed, block_ids, salt,
+            list(request.all_token_ids[: last * bs]) if self._tp_size > 1 else None, first,
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's loads (recorded at allocation) and saves: every whole block computed by
+        the end of the step that kvtier does not hold yet."""
+        meta = KvtierConnectorMetadata(loads=list(self._loads.values()))
+        self._loads.clear()
+        computed: dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        spec = scheduler_output.scheduled_spec_decode_tokens or {}
+        bs = self._block_size
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None or req_id not in computed:
+                continue
+            end = computed[req_id] + n - len(spec.get(req_id, ()))
+            full = min(end, st.request.num_tokens) // bs
+            if full <= st.known_blocks:
+                continue
+            salt = self._salt_of(st.request)
+            keys = self._keys(st, full, salt)
+            first = st.known_blocks
+            if self._kv_cache_manager is None:
+                raise KvtierError("kvtier: no KV cache manager bound (bind_kv_cache_manager)")
+            block_ids = list(self._kv_cache_manager.get_block_ids(req_id)[0][first:full])
+            toks = st.request.all_token_ids
+            for i in range(first, full):
+                self._block_info[keys[i]] = (keys[i - 1] if i else None, list(toks[i * bs : (i + 1) * bs]))
+            meta.saves.append(SaveSpec(
+                req_id, keys[first:full].packed, block_ids, keys[first - 1] if first else None, salt,
+                list(toks[: full * bs]) if self._tp_size > 1 else None, first,
+            ))
+            st.known_blocks = full
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' finished stores become ``BlockStored`` events."""
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(wm, KvtierWorkerMetadata):
+            return
+        for key in wm.stored:
+            info = self._block_info.pop(key, None)
+            if info is None:
+                continue
+            parent, tokens = info
+            self._events.append(BlockStored(
+                block_hashes=[key], parent_block_hash=parent, token_ids=tokens, block_size=self._block_size,
+                lora_id=None, medium=MEDIUM, lora_name=None,
+            ))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Forgets the request. Its blocks can be freed at once: saves copy out of vLLM's blocks
+        within the step that computed them."""
+        self._reqs.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
+        return False, None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events
+
+    # ==========================================================================================
+    # Worker side
+    # ==========================================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Takes vLLM's per-layer KV tensors (CPU) and registers the staging pool."""
+        g = self._geometry
+        missing = [n for n in self._layer_names if n not in kv_caches]
+        if missing:
+            raise ValueError(f"kvtier: no KV cache for layers {missing}")
+        caches = [kv_caches[n] for n in self._layer_names]
+        for name, t in zip(self._layer_names, caches):
+            if t.device.type != "cpu":
+                raise NotImplementedError(
+                    f"kvtier: layer {name}'s KV cache is on {t.device}; kvtier's CUDA device path "
+                    "(pools by IPC handle) does not exist yet, only CPU KV caches are supported"
+                )
+            if t.dtype != _TORCH_DTYPES[g.dtype]:
+                raise ValueError(f"kvtier: layer {name}'s KV cache is {t.dtype}, expected {g.dtype}")
+            ok4 = t.dim() == 4 and tuple(t.shape[1:]) == (g.kv_heads, g.block_tokens, 2 * g.head_dim)
+            ok5 = t.dim() == 5 and t.shape[0] == 2 and tuple(t.shape[2:]) == (g.block_tokens, g.kv_heads, g.head_dim)
+            if not (ok4 or ok5):
+                raise ValueError(
+                    f"kvtier: layer {name}'s KV cache has shape {tuple(t.shape)}; expected "
+                    f"[blocks, {g.kv_heads}, {g.block_tokens}, {2 * g.head_dim}] or "
+                    f"[2, blocks, {g.block_tokens}, {g.kv_heads}, {g.head_dim}]"
+                )
+        self._open(self._client_name, self._staging_slots)
+        assert self._pool is not None
+        self._kv_caches = caches
+        self._staging = (
+            torch.from_numpy(self._pool.raw).view(_TORCH_DTYPES[g.dtype])
+            .view(g.layers, self._staging_slots, 2, g.block_tokens, g.kv_heads, g.head_dim)
+        )
+        self._free = deque(range(self._staging_slots))
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-store")
+
+    # --- staging slots ---------------------------------------------------------------------
+
+    def _take_slots(self, n: int) -> list[int]:
+        """Up to ``n`` free staging slots (waiting for stores in flight while none is free)."""
+        with self._slot_lock:
+            while not self._free:
+                if not self._stores:
+                    raise KvtierError("kvtier: no free staging slot")
+                self._slot_lock.wait(0.05)
+            k = min(n, len(self._free))
+            return [self._free.popleft() for _ in range(k)]
+
+    def _give_slots(self, slots: list[int]) -> None:
+        with self._slot_lock:
+            self._free.extend(slots)
+            self._slot_lock.notify_all()
+
+    def _copy_in(self, block_ids: list[int], slots: list[int], layers: range | None = None) -> None:
+        """vLLM blocks → staging slots."""
+        assert self._staging is not None
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        sl = torch.tensor(slots, dtype=torch.long)
+        for layer in layers if layers is not None else range(self._geometry.layers):
+            self._staging[layer].index_copy_(
+                0, sl, blocks_to_kvtier(self._kv_caches[layer], idx.to(self._kv_caches[layer].device),
+                                        self._geometry.head_dim).cpu())
+
+    def _copy_out(self, slots: list[int], block_ids: list[int], layers: range) -> None:
+        """Staging slots → vLLM blocks."""
+        assert self._staging is not None
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        sl = torch.tensor(slots, dtype=torch.long)
+        for layer in layers:
+            kvtier_to_blocks(self._kv_caches[layer], idx, self._staging[layer].index_select(0, sl))
+
+    def _worker_keys(self, keys: bytes, token_ids: list[int] | None, first: int, salt: str) -> BlockKeys:
+        """A spec's keys in this rank's namespace (rank 0's are the scheduler's)."""
+        k = BlockKeys(keys)
+        if self._tp_rank == 0 or token_ids is None:
+            return k
+        _, handle = self._ready()
+        return handle.keys(token_ids, cache_salt=salt)[first : first + len(k)]
+
+    # --- loads -----------------------------------------------------------------------------
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Starts this step's loads: one ``Load`` (layer events) per request into staging
+        slots. Blocks beyond the free staging slots are loaded first, whole, in runs."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierConnectorMetadata)
+        session, handle = self._ready()
+        self._finish_loads()
+        jobs: list[tuple[LoadSpec, BlockKeys, list[int]]] = []
+        for spec in meta.loads:
+            keys = self._worker_keys(spec.keys, spec.token_ids, spec.first_block, spec.cache_salt)
+            jobs.append((spec, keys, list(spec.block_ids)))
+        with self._slot_lock:
+            room = len(self._free)
+        total = sum(len(b) for _, _, b in jobs)
+        # Whatever does not fit the free slots is loaded now, whole, in runs.
+        over = max(0, total - room)
+        while over > 0 and jobs:
+            spec, keys, blocks = jobs[0]
+            k = min(over, len(blocks))
+            done = 0
+            while done < k:
+                slots = self._take_slots(k - done)
+                try:
+                    self._load_sync(session, handle, spec, keys[done : done + len(slots)],
+                                    blocks[done : done + len(slots)], slots)
+                finally:
+                    self._give_slots(slots)
+                done += len(slots)
+            over -= k
+            if k == len(blocks):
+                jobs.pop(0)
+            else:
+                jobs[0] = (spec, keys[k:], blocks[k:])
+        for spec, keys, blocks in jobs:
+            slots = self._take_slots(len(blocks))
+            for i in range(len(slots), len(blocks), len(slots)):  # stores took slots meanwhile
+                self._load_sync(session, handle, spec, keys[i : i + len(slots)], blocks[i : i + len(slots)],
+                                slots[: len(blocks[i : i + len(slots)])])
+            a = _ActiveLoad(LoadSpec(spec.req_id, keys[: len(slots)].packed, blocks[: len(slots)], spec.cache_salt),
+                            keys[: len(slots)], slots, None)
+            try:
+                a.stream = session.load(handle, a.keys, slots, cache_salt=spec.cache_salt)
+            except KvtierError as e:
+                logger.warning("kvtier: load for %s failed: %s", spec.req_id, e)
+                self._load_errors.update(a.spec.block_ids)
+                self._give_slots(slots)
+                continue
+            self._active_loads.append(a)
+
+    def _load_sync(self, session: Session, handle: PoolHandle, spec: LoadSpec, keys: BlockKeys,
+                   blocks: list[int], slots: list[int]) -> None:
+        try:
+            done = session.load_wait(handle, keys, slots, cache_salt=spec.cache_salt)
+        except KvtierError as e:
+            logger.warning("kvtier: load for %s failed: %s", spec.req_id, e)
+            self._load_errors.update(blocks)
+            return
+        ok_slots, ok_blocks = self._split_missing(keys, blocks, slots, done)
+        if ok_blocks:
+            self._copy_out(ok_slots, ok_blocks, range(self._geometry.layers))
+
+    def _split_missing(self, keys: BlockKeys, blocks: list[int], slots: list[int],
+                       done: LoadDone) -> tuple[list[int], list[int]]:
+        """The (slots, blocks) that were loaded; the others become load errors."""
+        missing = set(done.missing)
+        ok_s, ok_b = [], []
+        for k, b, s in zip(keys, blocks, slots):
+            if k in missing:
+                self._load_errors.add(b)
+            else:
+                ok_s.append(s)
+                ok_b.append(b)
+        return ok_s, ok_b
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Waits for every active load's ``LayerReady`` of this layer and copies the layer
+        into vLLM's blocks."""
+        if not self._active_loads:
+            return
+        try:
+            layer = self._layer_names.index(layer_name)
+        except ValueError:
+            return
+        self._advance_loads(layer)
+
+    def _advance_loads(self, layer: int) -> None:
+        """Reads each active load's events up to ``layer``'s ``LayerReady`` and copies the
+        layers that arrived into vLLM's blocks."""
+        for a in self._active_loads:
+            while a.done is None and a.ready_layer < layer and a.stream is not None:
+                try:
+                    ev = next(a.stream)
+                except StopIteration:
+                    break
+                except KvtierError as e:
+                    logger.warning("kvtier: load for %s failed: %s", a.spec.req_id, e)
+                    a.missing.update(a.keys)
+                    a.stream = None
+                    break
+                if isinstance(ev, LayerReady):
+                    a.ready_layer = ev.layer
+                elif isinstance(ev, BlocksMissing):
+                    a.missing.update(ev.keys)
+                elif isinstance(ev, LoadDone):
+                    a.done = ev
+                    a.missing.update(ev.missing)
+                    a.ready_layer = self._geometry.layers - 1
+            upto = min(layer, a.ready_layer)
+            if upto > a.copied:
+                pairs = [(s, b) for k, s, b in zip(a.keys, a.slots, a.spec.block_ids) if k not in a.missing]
+                if pairs:
+                    self._copy_out([s for s, _ in pairs], [b for _, b in pairs], range(a.copied + 1, upto + 1))
+                a.copied = upto
+
+    def _finish_loads(self) -> None:
+        """Completes every active load (all layers), notes its missing blocks as load errors
+        and frees its slots."""
+        if not self._active_loads:
+            return
+        self._advance_loads(self._geometry.layers - 1)
+        for a in self._active_loads:
+            while a.done is None and a.stream is not None:  # the events after the last layer's
+                try:
+                    ev = next(a.stream)
+                except StopIteration:
+                    break
+                except KvtierError as e:
+                    logger.warning("kvtier: load for %s failed: %s", a.spec.req_id, e)
+                    break
+                if isinstance(ev, BlocksMissing):
+                    a.missing.update(ev.keys)
+                elif isinstance(ev, LoadDone):
+                    a.done = ev
+                    a.missing.update(ev.missing)
+            if a.done is None:  # the stream ended without LoadDone, or failed
+                a.missing.update(a.keys)
+            self._load_errors.update(b for k, b in zip(a.keys, a.spec.block_ids) if k in a.missing)
+            self._give_slots(a.slots)
+        self._active_loads = []
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # --- saves -----------------------------------------------------------------------------
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Nothing per layer: the step's saves are copied once every layer is written
+        (:meth:`wait_for_save`)."""
+        return
+
+    def wait_for_save(self) -> None:
+        """Finishes this step's loads, then copies the step's saved blocks into staging slots
+        and queues one ``Store`` per run; vLLM may reuse its blocks when this returns."""
+        self._finish_loads()
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierConnectorMetadata)
+        session, handle = self._ready()
+        assert self._executor is not None
+        for spec in meta.saves:
+            keys = self._worker_keys(spec.keys, spec.token_ids, spec.first_block, spec.cache_salt)
+            parent = spec.parent
+            if self._tp_rank != 0 and spec.first_block and spec.token_ids is not None:
+                parent = self._worker_keys(b"\0" * 16, spec.token_ids, spec.first_block - 1, spec.cache_salt)[0]
+            done = 0
+            while done < len(keys):
+                slots = self._take_slots(len(keys) - done)
+                run_keys = keys[done : done + len(slots)]
+                self._copy_in(spec.block_ids[done : done + len(slots)], slots)
+                self._stores.append(self._executor.submit(
+                    self._store, session, handle, run_keys, slots, parent, spec.cache_salt))
+                parent = run_keys[-1]
+                done += len(slots)
+            self._reap(block=False)
+
+    def _store(self, session: Session, handle: PoolHandle, keys: BlockKeys, slots: list[int],
+               parent: int | None, salt: str) -> list[int]:
+        try:
+            r = session.store(handle, keys, slots, parent=parent, cache_salt=salt)
+            refused = set(r.no_space)
+            return [k for k in keys if k not in refused]
+        except KvtierError as e:
+            logger.warning("kvtier: store of %d blocks failed: %s", len(keys), e)
+            return []
+        finally:
+            self._give_slots(slots)
+
+    def _reap(self, block: bool) -> None:
+        while self._stores and (block or self._stores[0].done()):
+            self._stored_keys.extend(self._stores.popleft().result())
+
+    def flush(self) -> None:
+        """Waits for every store in flight (for tests and shutdown)."""
+        self._reap(block=True)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Reaps the stores that finished. No request waits on kvtier (its blocks were copied
+        out within the step), so none is reported."""
+        self._reap(block=False)
+        return None, None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """The keys of the stores finished since the last step."""
+        self._reap(block=False)
+        if not self._stored_keys:
+            return None
+        meta, self._stored_keys = KvtierWorkerMetadata(self._stored_keys), []
+        return meta
