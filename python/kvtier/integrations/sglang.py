@@ -161,6 +161,23 @@ class KvtierHiCacheStorage(HiCacheStorage):
         t = torch.from_numpy(arr) if arr.dtype != np.uint16 else torch.from_numpy(arr.view(np.int16))
         return t.view(self.mem_pool_host.dtype)
 
+    def _load_leading(self, keys: list[str], put: Any) -> None:
+        """Loads ``keys`` one staging batch (one Load) at a time and calls ``put(i, slot)``
+        for each page ``i`` in order with its staging slot as a torch view, stopping at the
+        first page kvtier does not hold."""
+        session, pool, handle = self._ready()
+        with self._lock:
+            for start in range(0, len(keys), self._staging_slots):
+                run = keys[start : start + self._staging_slots]
+                done = session.load_wait(
+                    handle, BlockKeys.from_ints(page_key(k) for k in run), range(len(run)), cache_salt=self._salt
+                )
+                missing = set(done.missing)
+                for j, k in enumerate(run):
+                    if page_key(k) in missing:
+                        return
+                    put(start + j, self._slot(pool, j))
+
     # --- the page interface (interface_v1) -------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -177,22 +194,14 @@ class KvtierHiCacheStorage(HiCacheStorage):
         """Loads pages ``keys`` into the host pool at ``host_indices`` (page_size indices per
         page); one Load per staging batch. A page that is missing, and every page after it,
         is False (SGLang uses the leading run)."""
-        session, pool, handle = self._ready()
         p = self.mem_pool_host.page_size
         out = [False] * len(keys)
-        with self._lock:
-            for start in range(0, len(keys), self._staging_slots):
-                run = keys[start : start + self._staging_slots]
-                done = session.load_wait(
-                    handle, BlockKeys.from_ints(page_key(k) for k in run), range(len(run)), cache_salt=self._salt
-                )
-                missing = set(done.missing)
-                for j, k in enumerate(run):
-                    if page_key(k) in missing:
-                        return out
-                    index = int(host_indices[(start + j) * p])
-                    self._host_page(index).copy_(self._slot(pool, j))
-                    out[start + j] = True
+
+        def put(i: int, slot: torch.Tensor) -> None:
+            self._host_page(int(host_indices[i * p])).copy_(slot)
+            out[i] = True
+
+        self._load_leading(keys, put)
         return out
 
     def batch_set_v1(
@@ -242,22 +251,15 @@ class KvtierHiCacheStorage(HiCacheStorage):
     ) -> list[torch.Tensor | None]:
         """Pages ``keys`` as flat tensors (``target_locations``, or new ones); None from the
         first missing page on."""
-        session, pool, handle = self._ready()
         host = self.mem_pool_host
         out: list[torch.Tensor | None] = [None] * len(keys)
-        with self._lock:
-            for start in range(0, len(keys), self._staging_slots):
-                run = keys[start : start + self._staging_slots]
-                done = session.load_wait(
-                    handle, BlockKeys.from_ints(page_key(k) for k in run), range(len(run)), cache_salt=self._salt
-                )
-                missing = set(done.missing)
-                for j, k in enumerate(run):
-                    if page_key(k) in missing:
-                        return out
-                    dst = target_locations[start + j] if target_locations is not None else host.get_dummy_flat_data_page()
-                    self._flat_page(dst).copy_(self._slot(pool, j))
-                    out[start + j] = dst
+
+        def put(i: int, slot: torch.Tensor) -> None:
+            dst = target_locations[i] if target_locations is not None else host.get_dummy_flat_data_page()
+            self._flat_page(dst).copy_(slot)
+            out[i] = dst
+
+        self._load_leading(keys, put)
         return out
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
