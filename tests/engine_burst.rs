@@ -3,19 +3,14 @@
 //! the slot pool, the running set and the waiting queue together all end: every stream
 //! reaches `[DONE]`, or is refused at once with 503 and `Retry-After`.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-struct Engine(Child);
+#[path = "common/process.rs"]
+mod process;
 
-impl Drop for Engine {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use process::{Kvtier, free_port};
 
 /// (status, body); a read that stalls for two minutes is a hang and fails the test.
 fn post(port: u16, path: &str, body: &str) -> (u16, String) {
@@ -47,38 +42,11 @@ fn post_with_head(port: u16, path: &str, body: &str) -> (u16, String, String) {
     )
 }
 
-/// Starts `kvtier` with `args` and returns once a stderr line contains `ready` (the rest of
-/// its stderr is drained in the background).
-fn spawn_until(args: &[&str], ready: &str) -> Engine {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(args)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    while !lines
-        .next()
-        .unwrap_or_else(|| panic!("kvtier {args:?} exited"))
-        .unwrap()
-        .contains(ready)
-    {}
-    std::thread::spawn(move || for _ in lines {});
-    Engine(child)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// A sidecar with the tiny model's KV shape and an engine in front of it, sized by
 /// `engine_flags`; returns both and the engine's port.
-fn engine_with_sidecar(dir: &std::path::Path, engine_flags: &[&str]) -> (Engine, Engine, u16) {
+fn engine_with_sidecar(dir: &std::path::Path, engine_flags: &[&str]) -> (Kvtier, Kvtier, u16) {
     let socket = dir.join("kvtier.sock").display().to_string();
-    let sidecar = spawn_until(
+    let sidecar = Kvtier::spawn_until(
         &[
             "serve",
             "--metrics",
@@ -114,7 +82,7 @@ fn engine_with_sidecar(dir: &std::path::Path, engine_flags: &[&str]) -> (Engine,
         &listen,
     ];
     args.extend_from_slice(engine_flags);
-    let engine = spawn_until(&args, "serving http://");
+    let engine = Kvtier::spawn_until(&args, "serving http://");
     (sidecar, engine, port)
 }
 

@@ -15,6 +15,10 @@ use kvtier_transfer::test_util::kv;
 
 #[path = "common/exposition.rs"]
 mod exposition;
+#[path = "common/process.rs"]
+mod process;
+
+use process::free_port;
 
 const ROLE: &str = "KVTIER_TEST_SIDECAR_CLIENT";
 const BLOCKS: u32 = 2048;
@@ -79,14 +83,6 @@ fn client_child() {
     tokio::runtime::Runtime::new()
         .unwrap()
         .block_on(client(&target, &dir));
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// The body of one scrape.
