@@ -40,13 +40,13 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from ..client import connect
 from ..errors import KvtierError
 from ..geometry import Geometry
 from ..keys import BlockKeys
 from ..pool import CpuPool
 from ..results import PoolHandle
 from ..session import Session
+from .staging import open_staging
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
@@ -100,25 +100,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
             int(mem_pool_host.layer_num), int(mem_pool_host.head_num), int(mem_pool_host.head_dim),
             dtype, int(mem_pool_host.page_size),
         )
-        session = connect(self._target, self._client_name, auth_token=self._auth_token)
-        try:
-            if session.geometry != geometry:
-                raise KvtierError(
-                    f"kvtier: the sidecar serves {session.geometry}, SGLang's host pool is {geometry}: "
-                    "configure kvtier serve's model.* settings for this model"
-                )
-            pool = CpuPool.create(geometry, self._staging_slots)
-            try:
-                handle = session.register_pool(
-                    pool, self._model, tp_rank=self.config.tp_rank, tp_size=self.config.tp_size
-                )
-            except BaseException:
-                pool.close()
-                raise
-        except BaseException:
-            session.close()
-            raise
-        self._session, self._pool, self._handle = session, pool, handle
+        self._session, self._pool, self._handle = open_staging(
+            self._target, self._client_name, auth_token=self._auth_token, geometry=geometry,
+            slots=self._staging_slots, model=self._model, tp_rank=self.config.tp_rank,
+            tp_size=self.config.tp_size, engine_kv="SGLang's host pool",
+        )
 
     def close(self) -> None:
         """Closes the session (the sidecar unregisters the staging pool) and removes the pool file."""

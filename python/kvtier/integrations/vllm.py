@@ -62,13 +62,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from ..client import connect
 from ..errors import KvtierError
 from ..geometry import Geometry
 from ..keys import BlockKeys
 from ..pool import CpuPool
 from ..results import BlocksMissing, LayerReady, LoadDone, PoolHandle
 from ..session import LoadStream, Session
+from .staging import open_staging
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -259,23 +259,10 @@ class KvtierConnector(KVConnectorBase_V1):
     # --- session and pools -----------------------------------------------------------------
 
     def _open(self, client_name: str, slots: int) -> None:
-        session = connect(self._target, client_name, auth_token=self._auth_token)
-        try:
-            if session.geometry != self._geometry:
-                raise KvtierError(
-                    f"kvtier: the sidecar serves {session.geometry}, vLLM's KV cache is {self._geometry}: "
-                    "configure kvtier serve's model.* settings for this model"
-                )
-            pool = CpuPool.create(self._geometry, slots)
-            try:
-                handle = session.register_pool(pool, self._model, tp_rank=self._tp_rank, tp_size=self._tp_size)
-            except BaseException:
-                pool.close()
-                raise
-        except BaseException:
-            session.close()
-            raise
-        self._session, self._pool, self._handle = session, pool, handle
+        self._session, self._pool, self._handle = open_staging(
+            self._target, client_name, auth_token=self._auth_token, geometry=self._geometry, slots=slots,
+            model=self._model, tp_rank=self._tp_rank, tp_size=self._tp_size, engine_kv="vLLM's KV cache",
+        )
 
     def _ready(self) -> tuple[Session, PoolHandle]:
         if self._session is None or self._handle is None:
