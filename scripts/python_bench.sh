@@ -46,24 +46,8 @@ if ! command -v redis-server >/dev/null; then
         { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }
 fi
 
-work=$(mktemp -d "${TMPDIR:-/tmp}/kvtier-python-bench.XXXXXX")
-pids=()
-cleanup() {
-    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-    rm -rf "$work"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-wait_for() { # file, pattern, pid: waits until the process logs the pattern (or exits)
-    for _ in $(seq 1 600); do
-        grep -q "$2" "$1" && return 0
-        kill -0 "$3" 2>/dev/null || { cat "$1" >&2; echo "python_bench: the process exited" >&2; exit 1; }
-        sleep 0.2
-    done
-    echo "python_bench: no '$2' in $1 after 120 s" >&2; exit 1
-}
+. scripts/lib.sh
+start_processes python-bench
 
 if [ $full = 1 ]; then
     ws=512; reps=9; clients=1,2,4; capacity=2304MiB

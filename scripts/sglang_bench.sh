@@ -17,16 +17,9 @@ if [ "${1:-}" = "--full" ]; then full=1; shift; fi
 bin=${1:-target/release/kvtier}
 [ -x "$bin" ] || { echo "sglang_bench: $bin: no kvtier binary (cargo build --release first)" >&2; exit 2; }
 bin=$(realpath "$bin")
+. scripts/lib.sh
 . scripts/sglang_venv.sh
-
-work=$(mktemp -d "${TMPDIR:-/tmp}/kvtier-sglang-bench.XXXXXX")
-pids=()
-cleanup() {
-    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-    rm -rf "$work"
-}
-trap cleanup EXIT
+start_processes sglang-bench
 
 # A byte tokenizer for AutoTokenizer: ids 0..127 are the ASCII characters, as the engine's
 # byte codec encodes them, so random prompts decode to text that encodes back to the same ids.
@@ -42,15 +35,6 @@ with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
     json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 40960,
                "clean_up_tokenization_spaces": False}, f)
 PY
-
-wait_for() { # file, pattern, pid: waits until the process logs the pattern (or exits)
-    for _ in $(seq 1 600); do
-        grep -q "$2" "$1" && return 0
-        kill -0 "$3" 2>/dev/null || { cat "$1" >&2; echo "sglang_bench: the process exited" >&2; exit 1; }
-        sleep 0.5
-    done
-    echo "sglang_bench: no '$2' in $1 after 300 s" >&2; exit 1
-}
 
 port=${PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
 "$bin" serve --socket "$work/kvtier.sock" --metrics off --host-capacity 4GiB \
