@@ -585,28 +585,37 @@ class KvtierConnector(KVConnectorBase_V1):
             return
         self._advance_loads(layer)
 
+    def _read_event(self, a: _ActiveLoad) -> bool:
+        """Reads the next event of ``a``'s load into its state; False when its stream has no
+        more (ended, or failed: then every block of it counts as missing)."""
+        if a.stream is None:
+            return False
+        try:
+            ev = next(a.stream)
+        except StopIteration:
+            a.stream = None
+            return False
+        except KvtierError as e:
+            logger.warning("kvtier: load for %s failed: %s", a.spec.req_id, e)
+            a.missing.update(a.keys)
+            a.stream = None
+            return False
+        if isinstance(ev, LayerReady):
+            a.ready_layer = ev.layer
+        elif isinstance(ev, BlocksMissing):
+            a.missing.update(ev.keys)
+        elif isinstance(ev, LoadDone):
+            a.done = ev
+            a.missing.update(ev.missing)
+            a.ready_layer = self._geometry.layers - 1
+        return True
+
     def _advance_loads(self, layer: int) -> None:
         """Reads each active load's events up to ``layer``'s ``LayerReady`` and copies the
         layers that arrived into vLLM's blocks."""
         for a in self._active_loads:
-            while a.done is None and a.ready_layer < layer and a.stream is not None:
-                try:
-                    ev = next(a.stream)
-                except StopIteration:
-                    break
-                except KvtierError as e:
-                    logger.warning("kvtier: load for %s failed: %s", a.spec.req_id, e)
-                    a.missing.update(a.keys)
-                    a.stream = None
-                    break
-                if isinstance(ev, LayerReady):
-                    a.ready_layer = ev.layer
-                elif isinstance(ev, BlocksMissing):
-                    a.missing.update(ev.keys)
-                elif isinstance(ev, LoadDone):
-                    a.done = ev
-                    a.missing.update(ev.missing)
-                    a.ready_layer = self._geometry.layers - 1
+            while a.done is None and a.ready_layer < layer and self._read_event(a):
+                pass
             upto = min(layer, a.ready_layer)
             if upto > a.copied:
                 pairs = [(s, b) for k, s, b in zip(a.keys, a.slots, a.spec.block_ids) if k not in a.missing]
@@ -621,19 +630,8 @@ class KvtierConnector(KVConnectorBase_V1):
             return
         self._advance_loads(self._geometry.layers - 1)
         for a in self._active_loads:
-            while a.done is None and a.stream is not None:  # the events after the last layer's
-                try:
-                    ev = next(a.stream)
-                except StopIteration:
-                    break
-                except KvtierError as e:
-                    logger.warning("kvtier: load for %s failed: %s", a.spec.req_id, e)
-                    break
-                if isinstance(ev, BlocksMissing):
-                    a.missing.update(ev.keys)
-                elif isinstance(ev, LoadDone):
-                    a.done = ev
-                    a.missing.update(ev.missing)
+            while a.done is None and self._read_event(a):  # the events after the last layer's
+                pass
             if a.done is None:  # the stream ended without LoadDone, or failed
                 a.missing.update(a.keys)
             self._load_errors.update(b for k, b in zip(a.keys, a.spec.block_ids) if k in a.missing)
