@@ -315,23 +315,27 @@ impl HostTier {
         meta.state.store(WRITING, Ordering::Release);
         st.links[page as usize].parent = None;
         st.links[page as usize].children = 0;
-        match inner.index.entry(key) {
-            dashmap::Entry::Occupied(_) => {
-                // Raced with another reserve of the same key between the check and the lock.
-                meta.state.store(FREE, Ordering::Release);
-                st.free.push(page);
-                drop(st);
-                Ok(self.existing(key).unwrap_or(Reservation::InFlight))
-            }
+        let inserted = match inner.index.entry(key) {
+            dashmap::Entry::Occupied(_) => false,
             dashmap::Entry::Vacant(v) => {
                 v.insert(page);
-                drop(st);
-                Ok(Reservation::Writer(PageWriter::new(
-                    HostPage::new(Arc::clone(inner), page, key),
-                    parent,
-                )))
+                true
             }
+        };
+        // The entry (a write lock on the index shard) is gone here: `existing` below reads
+        // that shard, and reading it under the entry deadlocked this thread on itself.
+        if inserted {
+            drop(st);
+            return Ok(Reservation::Writer(PageWriter::new(
+                HostPage::new(Arc::clone(inner), page, key),
+                parent,
+            )));
         }
+        // Raced with another reserve of the same key between the check and the lock.
+        meta.state.store(FREE, Ordering::Release);
+        st.free.push(page);
+        drop(st);
+        Ok(self.existing(key).unwrap_or(Reservation::InFlight))
     }
 
     fn existing(&self, key: BlockKey) -> Option<Reservation> {
@@ -414,7 +418,9 @@ impl HostTier {
             }
             let now = Instant::now();
             if !self.is_writing(key) || now >= deadline {
-                return None;
+                // The writer may have committed between the failed pin and this check (it
+                // publishes before it takes `settled`): one more pin sees that.
+                return self.pin(ns, key);
             }
             guard = inner
                 .settled

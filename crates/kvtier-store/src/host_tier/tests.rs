@@ -380,3 +380,41 @@ fn concurrent_writers_readers_and_evictions_stay_bit_exact() {
     assert_eq!(t.clear(None).1, 0);
     assert_eq!(t.stats().used_pages, 0);
 }
+
+#[test]
+fn racing_writers_of_the_same_blocks_never_deadlock_and_every_waiter_gets_its_pin() {
+    // Four threads reserve the same chains at once: one wins each block and writes it, the
+    // others wait for it. Two defects this catches: the losing `reserve` read the index shard
+    // under its own write lock (a self-deadlock), and a waiter whose writer committed between
+    // its failed pin and its "still writing?" check gave up with a miss.
+    let t = tier(256, EvictionKind::Lru);
+    for round in 0..50u32 {
+        let keys = chain(16, 1_000 + round);
+        let barrier = Arc::new(std::sync::Barrier::new(4));
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let (t, keys, barrier) = (t.clone(), keys.clone(), Arc::clone(&barrier));
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    let mut parent = None;
+                    for &k in &keys {
+                        store(&t, k, parent).unwrap();
+                        parent = Some(k);
+                    }
+                    for &k in &keys {
+                        let p = t
+                            .pin_waiting(NS, k, Duration::from_secs(30))
+                            .expect("a block written by another thread is pinned, not missed");
+                        let mut buf = vec![0u8; BL];
+                        p.read_layer(1, &mut buf).unwrap();
+                        assert_eq!(buf, fill_bytes(k, 1, BL));
+                    }
+                })
+            })
+            .collect();
+        for h in threads {
+            h.join().unwrap();
+        }
+        assert_eq!(t.stats().pinned_pages, 0, "round {round}");
+    }
+}
