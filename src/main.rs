@@ -170,7 +170,7 @@ struct OffloadArgs {
     /// Requests per batch.
     #[arg(long, default_value_t = 16)]
     batch: usize,
-    /// Measured batches (default: 100 with --tier host, 20 with --tier disk).
+    /// Measured batches (default: 100 with --tier host, 20 with --tier disk or remote).
     #[arg(long)]
     rounds: Option<usize>,
     /// Unmeasured batches before them.
@@ -194,10 +194,16 @@ struct OffloadArgs {
     /// Scheduling niceness of store workers (positive lets loads win the CPU).
     #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     store_nice: i32,
-    /// Where the hit blocks are: `host` (loads host → device) or `disk` (host tier emptied
-    /// before every batch: loads disk → host → device, stores device → host → disk).
+    /// Where the hit blocks are: `host` (loads host → device), `disk` (host tier emptied
+    /// before every batch: loads disk → host → device, stores device → host → disk) or
+    /// `remote` (likewise with a Redis Cluster: --remote-nodes; scripts/remote_bench.sh starts
+    /// one and runs this).
     #[arg(long, default_value = "host")]
     tier: Tier,
+    /// With --tier remote: the cluster's nodes, host:port, comma separated
+    /// (`scripts/redis_cluster.sh start DIR` prints them).
+    #[arg(long, value_delimiter = ',')]
+    remote_nodes: Vec<String>,
     /// With --tier disk: the directory whose disk to measure (a fresh subdirectory is made in
     /// it and removed afterwards; default: the system's temporary directory).
     #[arg(long)]
@@ -358,7 +364,7 @@ fn bench_offload(a: OffloadArgs) -> Result<()> {
     };
     let g = bench_geometry(&a.geometry, target.as_ref())?;
     let rounds = a.rounds.unwrap_or(match a.tier {
-        Tier::Disk => 20,
+        Tier::Disk | Tier::Remote => 20,
         Tier::Device | Tier::Host => 100,
     });
     let config = OffloadConfig {
@@ -377,6 +383,7 @@ fn bench_offload(a: OffloadArgs) -> Result<()> {
         tier: a.tier,
         disk_dir: a.disk_dir.clone(),
         direct_io: a.direct_io,
+        remote_nodes: a.remote_nodes.clone(),
         transfer: TransferConfig {
             load_threads: a.load_threads,
             store_threads: a.store_threads,

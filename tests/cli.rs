@@ -210,6 +210,21 @@ fn serve_configuration_errors_name_the_flag_key_and_form() {
             ],
             &["disk.capacity = \"1MiB\"", "region"],
         ),
+        (
+            &["serve", "--set", "remote.nodes=localhost", "--print-config"],
+            &["remote.nodes", "is not host:port"],
+        ),
+        (
+            &[
+                "serve",
+                "--set",
+                "remote.nodes=h:1",
+                "--set",
+                "remote.timeout_ms=0",
+                "--print-config",
+            ],
+            &["remote.timeout_ms = 0"],
+        ),
     ] {
         let (ok, _, err) = kvtier(args);
         assert!(!ok, "{args:?} was accepted");
@@ -223,14 +238,22 @@ fn serve_configuration_errors_name_the_flag_key_and_form() {
 fn print_config_prints_every_key_and_redacts_the_token() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
         .args(["serve", "--disk-dir", "/var/cache/kvtier", "--print-config"])
+        .args(["--set", "remote.nodes=10.0.0.1:6379,10.0.0.2:6379"])
         .env("KVTIER_SERVER__AUTH_TOKEN", "very-secret-token-0123")
+        .env("KVTIER_REMOTE__PASSWORD", "very-secret-password")
         .output()
         .unwrap();
     let printed = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(!printed.contains("very-secret"), "{printed}");
     assert!(printed.contains("auth_token = \"<redacted>\""), "{printed}");
+    assert!(printed.contains("password = \"<redacted>\""), "{printed}");
     let table: toml::Table = printed.parse().unwrap();
+    assert_eq!(
+        table["remote"]["nodes"],
+        toml::Value::Array(vec!["10.0.0.1:6379".into(), "10.0.0.2:6379".into()]),
+        "{printed}"
+    );
     for key in kvtier_server::ServerConfig::key_paths() {
         let mut v = Some(&toml::Value::Table(table.clone()));
         for part in key.split('.') {

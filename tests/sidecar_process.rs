@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use kvtier_client::Client;
 use kvtier_core::{Dtype, KvGeometry};
 use kvtier_transfer::CpuDevicePool;
-use kvtier_transfer::test_util::kv;
+use kvtier_transfer::test_util::{kv, write_kv_slots};
 
 #[path = "common/exposition.rs"]
 mod exposition;
@@ -37,12 +37,7 @@ async fn client(target: &str, dir: &Path) {
     let h = c.register_cpu_pool(&pool, "process-test", 0, 1).await.unwrap();
     let tokens: Vec<u32> = (0..BLOCKS * 16).collect();
     let keys = h.keys("", &tokens).unwrap();
-    for (i, &k) in keys.iter().enumerate() {
-        for layer in 0..g.layers() {
-            pool.write_slot_layer(i as u32, layer, &kv(k, layer, g.bytes_per_block_layer()))
-                .unwrap();
-        }
-    }
+    write_kv_slots(&pool, &keys, 0);
     let run: Vec<_> = keys.iter().enumerate().map(|(i, &k)| (k, i as u32)).collect();
     let stored = c.store(&h, "", None, &run).await.unwrap();
     assert_eq!(stored.stored_blocks, BLOCKS);

@@ -49,7 +49,7 @@ def match_result(r: pb.MatchResponse) -> MatchResult:
     return MatchResult(
         tiers=[Tier(t) for t in r.tiers], device_slots=list(r.device_slots), keys=BlockKeys(r.keys),
         matched_tokens=r.matched_tokens, device_tokens=r.device_tokens, host_tokens=r.host_tokens,
-        disk_tokens=r.disk_tokens,
+        disk_tokens=r.disk_tokens, remote_tokens=r.remote_tokens,
     )
 
 
@@ -70,7 +70,8 @@ def load_event(e: pb.LoadEvent) -> LoadEvent:
         return BlocksMissing(BlockKeys(e.missing.keys))
     if which == "done":
         d = e.done
-        return LoadDone(d.loaded_blocks, d.disk_blocks, BlockKeys(d.missing), d.bytes, timing(d.timing))
+        return LoadDone(d.loaded_blocks, d.disk_blocks, BlockKeys(d.missing), d.bytes, timing(d.timing),
+                        d.remote_blocks)
     raise ValueError(f"a load event with no event set ({which!r})")
 
 
@@ -122,7 +123,7 @@ def clear_request(session_id: int, pool: PoolRef | None, cache_salt: str, all: b
 
 
 def clear_result(r: pb.ClearResponse) -> ClearResult:
-    return ClearResult(r.host_blocks, r.disk_blocks, r.kept_pinned)
+    return ClearResult(r.host_blocks, r.disk_blocks, r.kept_pinned, r.remote_blocks)
 
 
 def stats(r: pb.StatsResponse) -> Stats:

@@ -20,6 +20,8 @@ class Tier(enum.IntEnum):
     DEVICE = 1
     HOST = 2
     DISK = 3
+    #: A Redis Cluster the whole fleet shares (when the sidecar has ``[remote]``).
+    REMOTE = 4
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class MatchResult:
     device_tokens: int
     host_tokens: int
     disk_tokens: int
+    #: In the remote tier only.
+    remote_tokens: int = 0
 
     @property
     def matched_blocks(self) -> int:
@@ -105,6 +109,8 @@ class LoadDone:
     missing: BlockKeys
     bytes: int
     timing: Timing
+    #: Of the loaded blocks, fetched from the remote tier first.
+    remote_blocks: int = 0
 
 
 #: One event of a load stream.
@@ -180,6 +186,8 @@ class ClearResult:
     disk_blocks: int
     #: Pinned blocks kept.
     kept_pinned: int
+    #: Removed from the remote tier (only a clear of ``Tier.REMOTE`` touches it).
+    remote_blocks: int = 0
 
 
 @dataclass(frozen=True)

@@ -304,7 +304,8 @@ class Session:
         tier: Tier | None = None,
     ) -> ClearResult:
         """Forgets the blocks of ``pool``'s namespace under ``cache_salt`` (or, with ``all``, of
-        every namespace) in every tier, or only ``Tier.HOST`` / ``Tier.DISK``."""
+        every namespace) in host memory and on disk, or only ``Tier.HOST`` / ``Tier.DISK`` /
+        ``Tier.REMOTE`` (the fleet's shared tier is cleared only when named)."""
         return _wire.clear_result(self._unary("Clear", _wire.clear_request(self.id, pool, cache_salt, all, tier)))
 
     def stats(self) -> Stats:

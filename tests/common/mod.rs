@@ -72,43 +72,9 @@ impl Sidecar {
     }
 }
 
-/// Deterministic KV bytes of a block in a layer: the fixture every crate's tests share.
-pub use kvtier_transfer::test_util::kv;
-
-/// Writes [`kv`] of each key into `pool` slots `first_slot..`, as a forward pass would.
-pub fn write_kv(pool: &kvtier_transfer::CpuDevicePool, keys: &[kvtier_core::BlockKey], first_slot: u32) {
-    let g = geometry();
-    for (i, &k) in keys.iter().enumerate() {
-        for layer in 0..g.layers() {
-            pool.write_slot_layer(
-                first_slot + i as u32,
-                layer,
-                &kv(k, layer, g.bytes_per_block_layer()),
-            )
-            .unwrap();
-        }
-    }
-}
-
-/// The first (slot, layer) from `first_slot` of `pool` that does not hold [`kv`] of its key.
-pub fn first_wrong_kv(
-    pool: &kvtier_transfer::CpuDevicePool,
-    keys: &[kvtier_core::BlockKey],
-    first_slot: u32,
-) -> Option<(u32, u32)> {
-    let g = geometry();
-    let mut buf = vec![0u8; g.bytes_per_block_layer()];
-    for (i, &k) in keys.iter().enumerate() {
-        let slot = first_slot + i as u32;
-        for layer in 0..g.layers() {
-            pool.read_slot_layer(slot, layer, &mut buf).unwrap();
-            if buf != kv(k, layer, buf.len()) {
-                return Some((slot, layer));
-            }
-        }
-    }
-    None
-}
+/// Writes [`kv`] of each key into `pool` slots `first_slot..`, as a forward pass would; and
+/// the first (slot, layer) from `first_slot` that does not hold [`kv`] of its key.
+pub use kvtier_transfer::test_util::{first_wrong_kv_slot as first_wrong_kv, write_kv_slots as write_kv};
 
 /// `kvtier serve` as a real process on a socket in `dir`, for `geometry()`, killed on drop.
 pub struct ServeProcess {

@@ -1,5 +1,6 @@
 //! What the benchmark's figures are compared with, measured in the same run: plain memcpy for
-//! host ↔ device copies, sequential direct I/O for the disk tier.
+//! host ↔ device copies, sequential direct I/O for the disk tier, plain pipelined GET/SET for
+//! the remote tier.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -245,6 +246,144 @@ impl DiskBaseline {
         let read = self.best_of(false, self.read_depth, || self.open(false))?;
         let write = self.best_of(true, self.write_depth, || self.fresh_file())?;
         Ok((write, read))
+    }
+}
+
+/// The batch's bytes moved with plain commands of the redis crate's cluster connection — the
+/// client library the remote tier uses — pipelined (the connection pipelines the commands in
+/// flight per node): GETs of `get_values` values of `value_bytes` each (a batch's hit blocks,
+/// as kvtier stores them: header + block) while, at the same time as in the batch, SETs of
+/// `set_values` such values (its new blocks). Two depths: every command at once, and the
+/// tier's own read and write concurrency; the better of the two. What the cluster gives that
+/// library for the batch's traffic, with none of kvtier's work (host pages, verification,
+/// device copies).
+pub(crate) struct RemoteBaseline {
+    runtime: tokio::runtime::Runtime,
+    conn: redis::cluster_async::ClusterConnection,
+    get_keys: Vec<String>,
+    set_keys: Vec<String>,
+    value: std::sync::Arc<Vec<u8>>,
+    depths: (usize, usize),
+}
+
+impl RemoteBaseline {
+    /// Connects and writes the values the GETs read (untimed).
+    pub(crate) fn new(
+        nodes: &[String],
+        value_bytes: usize,
+        (get_values, set_values): (usize, usize),
+        (read_depth, write_depth): (usize, usize),
+    ) -> Result<Self, BenchError> {
+        let remote = |e: redis::RedisError| BenchError::InvalidConfig(format!("remote baseline: {e}"));
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(|e| BenchError::InvalidConfig(format!("remote baseline runtime: {e}")))?;
+        let client = redis::cluster::ClusterClient::builder(nodes.iter().map(|n| format!("redis://{n}")))
+            .response_timeout(Duration::from_secs(60))
+            .build()
+            .map_err(remote)?;
+        let conn = runtime.block_on(client.get_async_connection()).map_err(remote)?;
+        let mut value = vec![0u8; value_bytes];
+        crate::workload::fill_random(&mut value, 0x5eed);
+        let keys = |what: &str, n: usize| -> Vec<String> {
+            (0..n)
+                .map(|i| format!("kvtier-bench-baseline-{}:{what}{i}", std::process::id()))
+                .collect()
+        };
+        let b = Self {
+            runtime,
+            conn,
+            get_keys: keys("r", get_values),
+            set_keys: keys("w", set_values),
+            value: std::sync::Arc::new(value),
+            depths: (read_depth.max(1), write_depth.max(1)),
+        };
+        b.runtime
+            .block_on(b.run(b.get_keys.clone(), Vec::new(), (64, 64)))
+            .map_err(|e| BenchError::InvalidConfig(format!("remote baseline: {e}")))?;
+        Ok(b)
+    }
+
+    /// One pass at each depth; the better (set, get) GiB/s.
+    pub(crate) fn run_once(&self) -> Result<(f64, f64), BenchError> {
+        let all = (self.get_keys.len().max(1), self.set_keys.len().max(1));
+        let mut best = (0.0f64, 0.0f64);
+        for depths in [all, self.depths] {
+            let (set, get) = self
+                .runtime
+                .block_on(self.run(self.set_keys.clone(), self.get_keys.clone(), depths))
+                .map_err(|e| BenchError::InvalidConfig(format!("remote baseline: {e}")))?;
+            best = (best.0.max(set), best.1.max(get));
+        }
+        Ok(best)
+    }
+
+    /// SETs of `set_keys` and GETs of `get_keys`, started together with `depths` (read,
+    /// write) in flight; (set, get) GiB/s, each over its own span from the common start.
+    async fn run(
+        &self,
+        set_keys: Vec<String>,
+        get_keys: Vec<String>,
+        depths: (usize, usize),
+    ) -> Result<(f64, f64), String> {
+        let reads = std::sync::Arc::new(tokio::sync::Semaphore::new(depths.0.max(1)));
+        let writes = std::sync::Arc::new(tokio::sync::Semaphore::new(depths.1.max(1)));
+        let t0 = Instant::now();
+        let mut tasks = tokio::task::JoinSet::new();
+        for k in &set_keys {
+            let (mut c, writes, value) = (self.conn.clone(), writes.clone(), self.value.clone());
+            let cmd = redis::cmd("SET").arg(k).arg(&value[..]).clone();
+            tasks.spawn(async move {
+                let _slot = writes.acquire_owned().await;
+                cmd.query_async::<()>(&mut c)
+                    .await
+                    .map(|_| (false, 0usize, t0.elapsed()))
+            });
+        }
+        for k in &get_keys {
+            let (mut c, reads) = (self.conn.clone(), reads.clone());
+            let cmd = redis::cmd("GET").arg(k).clone();
+            tasks.spawn(async move {
+                let _slot = reads.acquire_owned().await;
+                cmd.query_async::<Option<Vec<u8>>>(&mut c)
+                    .await
+                    .map(|v| (true, v.map_or(0, |v| v.len()), t0.elapsed()))
+            });
+        }
+        let (mut got, mut set_end, mut get_end) = (0usize, Duration::ZERO, Duration::ZERO);
+        while let Some(r) = tasks.join_next().await {
+            let (is_get, n, at) = r.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+            if is_get {
+                got += n;
+                get_end = get_end.max(at);
+            } else {
+                set_end = set_end.max(at);
+            }
+        }
+        let get_bytes = (get_keys.len() * self.value.len()) as u64;
+        if got as u64 != get_bytes {
+            return Err(format!(
+                "GET returned {got} of {get_bytes} bytes (the cluster evicted some: raise maxmemory)"
+            ));
+        }
+        let set_bytes = (set_keys.len() * self.value.len()) as u64;
+        Ok((gib_s(set_bytes, set_end), gib_s(get_bytes, get_end)))
+    }
+}
+
+impl Drop for RemoteBaseline {
+    fn drop(&mut self) {
+        let mut keys = std::mem::take(&mut self.get_keys);
+        keys.append(&mut self.set_keys);
+        let conn = self.conn.clone();
+        self.runtime.block_on(async move {
+            for k in keys {
+                let mut c = conn.clone();
+                let _ = redis::cmd("UNLINK").arg(k).query_async::<u64>(&mut c).await;
+            }
+        });
     }
 }
 

@@ -5,7 +5,9 @@
 //! same run, and a bit-exact verification of every block moved. With `--tier host` (default)
 //! the hit blocks are in host memory (host → device) and stores end in host memory; with
 //! `--tier disk` the host tier is emptied before every batch, so loads go disk → host → device
-//! and stores device → host → disk.
+//! and stores device → host → disk; `--tier remote` does the same with a Redis Cluster
+//! (`remote_nodes`) in place of the disk, against plain pipelined GET/SET of the same bytes
+//! with the same client library.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -13,14 +15,14 @@ use std::time::Instant;
 
 use kvtier_core::{ByteSize, Dtype, KvGeometry, Tier};
 use kvtier_store::{
-    DirectIo, DiskTierConfig, EvictionKind, HostTierConfig, TieredStore, TieredStoreConfig, TieredStoreStats,
-    WritePolicy,
+    DirectIo, DiskTierConfig, EvictionKind, HostTierConfig, RemoteTierConfig, TieredStore, TieredStoreConfig,
+    TieredStoreStats, WritePolicy,
 };
 use kvtier_transfer::{DevicePool, QueueStats, RouteStats, TransferConfig, TransferError, TransferQueues};
 use serde::Serialize;
 
 use crate::BenchError;
-use crate::baselines::{DiskBaseline, MemcpyBaseline};
+use crate::baselines::{DiskBaseline, MemcpyBaseline, RemoteBaseline, gib_s};
 use crate::summary::Summary;
 use crate::workload::{BatchResult, NewBlocks, RequestResult, Samples, SeedFigures, Workload, record};
 
@@ -60,6 +62,8 @@ pub struct OffloadConfig {
     pub disk_dir: Option<PathBuf>,
     /// With `--tier disk`: page-cache bypass.
     pub direct_io: DirectIo,
+    /// With `--tier remote`: the cluster's nodes (`host:port`).
+    pub remote_nodes: Vec<String>,
     /// Queue threads, bounds and chunking.
     pub transfer: TransferConfig,
 }
@@ -82,6 +86,7 @@ impl Default for OffloadConfig {
             tier: Tier::Host,
             disk_dir: None,
             direct_io: DirectIo::Auto,
+            remote_nodes: Vec::new(),
             transfer: TransferConfig::default(),
         }
     }
@@ -113,6 +118,27 @@ pub struct DiskFigures {
     pub store_ratio: f64,
 }
 
+/// The remote tier's figures and baselines.
+#[derive(Debug, Clone, Serialize)]
+pub struct RemoteFigures {
+    /// Plain GETs of a batch's hit bytes (values of the same size as kvtier's) on the same
+    /// client library's cluster connection, while plain SETs write its new bytes, as the
+    /// batch does; the better of all in flight at once and the tier's own concurrency, GiB/s.
+    pub get_baseline_gib_s: f64,
+    /// Those SETs, GiB/s.
+    pub set_baseline_gib_s: f64,
+    /// A batch's bytes fetched from the remote tier / (its first fetch started → its last
+    /// verified in a host page), GiB/s.
+    pub load_gib_s: Summary,
+    /// A batch's new bytes / (the first of their writes to the cluster started → the last
+    /// ended), GiB/s: the write-behind, running while the batch's loads do.
+    pub store_gib_s: Summary,
+    /// `load_gib_s.mean / get_baseline_gib_s`.
+    pub ratio_to_baseline: f64,
+    /// `store_gib_s.mean / set_baseline_gib_s`.
+    pub store_ratio_to_baseline: f64,
+}
+
 /// Everything one run measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct OffloadReport {
@@ -138,6 +164,8 @@ pub struct OffloadReport {
     pub duplex_ratio_to_memcpy: Option<f64>,
     /// Disk figures; disk tier only.
     pub disk: Option<DiskFigures>,
+    /// Remote figures; remote tier only.
+    pub remote: Option<RemoteFigures>,
     /// Blocks checked bit-exact after their load or store.
     pub verified_blocks: u64,
     /// Blocks whose bytes differed (must be 0).
@@ -175,6 +203,17 @@ impl OffloadReport {
             lines.push(d.store_gib_s.line("disk_store_gib_s", 2));
             lines.push(format!("disk_load_ratio={:.3}", d.load_ratio));
             lines.push(format!("disk_store_ratio={:.3}", d.store_ratio));
+        }
+        if let Some(r) = &self.remote {
+            lines.push(format!("remote_get_baseline_gib_s={:.2}", r.get_baseline_gib_s));
+            lines.push(format!("remote_set_baseline_gib_s={:.2}", r.set_baseline_gib_s));
+            lines.push(r.load_gib_s.line("remote_load_gib_s", 2));
+            lines.push(r.store_gib_s.line("remote_store_gib_s", 2));
+            lines.push(format!("remote_ratio_to_baseline={:.3}", r.ratio_to_baseline));
+            lines.push(format!(
+                "remote_store_ratio_to_baseline={:.3}",
+                r.store_ratio_to_baseline
+            ));
         }
         lines.push(format!(
             "verified_blocks={} mismatched_blocks={}",
@@ -215,7 +254,7 @@ pub fn run_offload(
     let geometry = bench.work.geometry;
     let batch_bytes = bench.work.batch_bytes();
     let memcpy = match config.tier {
-        Tier::Disk => None,
+        Tier::Disk | Tier::Remote => None,
         Tier::Device | Tier::Host => Some(MemcpyBaseline::new(batch_bytes, bench.queues.copy_threads())?),
     };
     let disk_baseline = match bench.store.disk() {
@@ -230,6 +269,15 @@ pub fn run_offload(
             ),
         )?),
         _ => None,
+    };
+    let remote_baseline = match bench.store.remote() {
+        Some(r) => Some(RemoteBaseline::new(
+            &r.config().nodes,
+            geometry.bytes_per_block() + kvtier_store::remote_value::REMOTE_HEADER_BYTES,
+            (bench.work.hit * config.batch, bench.work.new * config.batch),
+            (r.config().read_concurrency, r.config().write_concurrency),
+        )?),
+        None => None,
     };
     let mut disk_depths = (1, 1);
     // Disk baselines run a few times spread over the measured batches (each moves a whole
@@ -254,6 +302,16 @@ pub fn run_offload(
                 samples.disk_write_baseline.push(w.gib_s);
                 samples.disk_read_baseline.push(r.gib_s);
                 disk_depths = (r.depth, w.depth);
+            }
+            // Every batch: the cluster shares this machine's cores, and its speed varies more
+            // from one second to the next than a disk's does.
+            if let Some(b) = &remote_baseline {
+                let (set, get) = b.run_once()?;
+                samples.remote_set_baseline.push(set);
+                samples.remote_get_baseline.push(get);
+            }
+            if let Some(s) = batch.remote_store_gib_s {
+                samples.remote_store.push(s);
             }
         }
         let (ok, bad) = bench.verify(&new);
@@ -301,6 +359,26 @@ impl Bench {
                 };
                 (Some(ScratchDir(dir)), Some(disk))
             }
+            Tier::Remote => (None, None),
+        };
+        let remote = match config.tier {
+            Tier::Remote if config.remote_nodes.is_empty() => {
+                return Err(BenchError::InvalidConfig(
+                    "--tier remote needs --remote-nodes host:port,… (scripts/redis_cluster.sh start DIR prints them; scripts/remote_bench.sh starts one and runs this)".into(),
+                ));
+            }
+            Tier::Remote => Some(RemoteTierConfig {
+                nodes: config.remote_nodes.clone(),
+                // A prefix of this run's own, removed at the end.
+                key_prefix: format!("kvtier-bench-{}", std::process::id()),
+                write_policy: WritePolicy::All,
+                // Every new block is written (none dropped for a full queue), so the figures
+                // are of all of them; reads and writes in flight as a sidecar has by default.
+                max_pending_writes: 1 << 16,
+                timeout_ms: 20_000,
+                ..RemoteTierConfig::default()
+            }),
+            _ => None,
         };
         let (store, _) = TieredStore::open(
             work.geometry,
@@ -313,8 +391,17 @@ impl Bench {
                 disk,
                 write_policy: WritePolicy::All,
                 admit_min_hits: 2,
+                remote,
             },
         )?;
+        if let Some(r) = store.remote()
+            && !r.connected()
+        {
+            return Err(BenchError::InvalidConfig(format!(
+                "--remote-nodes {}: the cluster cannot be reached",
+                config.remote_nodes.join(",")
+            )));
+        }
         let dyn_pool: Arc<dyn DevicePool> = work.pool.clone();
         let queues = TransferQueues::new(&config.transfer)?;
         let bench = Self {
@@ -325,6 +412,10 @@ impl Bench {
             _scratch: scratch,
         };
         bench.store_prefixes()?;
+        if let Some(r) = bench.store.remote() {
+            // The prefixes' writes are not a batch's.
+            r.take_write_window();
+        }
         Ok(bench)
     }
 
@@ -341,10 +432,20 @@ impl Bench {
                 .store
                 .submit(&self.dyn_pool, &self.store, w.ns, &w.prefix_store(r))?;
             let (copied, persisted) = ticket.wait_persisted()?;
-            let stored = if w.config.tier == Tier::Disk {
-                persisted.written_blocks
-            } else {
-                copied.stored_blocks
+            let stored = match (w.config.tier, self.store.remote()) {
+                (Tier::Disk, _) => persisted.written_blocks,
+                (Tier::Remote, Some(remote)) => {
+                    remote.flush(std::time::Duration::from_secs(600));
+                    let s = remote.stats();
+                    let dropped: u64 = s.dropped_writes_total.iter().sum();
+                    if dropped > 0 {
+                        return Err(BenchError::InvalidConfig(format!(
+                            "{dropped} prefix blocks could not be written to the cluster: {s:?}"
+                        )));
+                    }
+                    copied.stored_blocks
+                }
+                _ => copied.stored_blocks,
             };
             if stored != w.hit {
                 return Err(BenchError::InvalidConfig(format!(
@@ -361,7 +462,7 @@ impl Bench {
     /// engine's first question (what is cached) asked.
     fn prepare(&mut self, round: usize) -> Result<NewBlocks, BenchError> {
         let new = self.work.prepare(round)?;
-        if self.work.config.tier == Tier::Disk {
+        if matches!(self.work.config.tier, Tier::Disk | Tier::Remote) {
             self.store.host().clear(None);
             if let Some(d) = self.store.disk() {
                 d.drop_page_cache()?;
@@ -417,6 +518,7 @@ impl Bench {
                 let l = t.wait()?;
                 result.load = Some((l.bytes, l.timing));
                 result.disk_read = l.disk_timing.map(|t| (l.disk_blocks as u64 * block_bytes, t));
+                result.remote_read = l.remote_timing.map(|t| (l.remote_blocks as u64 * block_bytes, t));
             }
             if let Some(t) = store {
                 let (copied, persisted) = t.wait_persisted()?;
@@ -426,10 +528,19 @@ impl Bench {
             }
             requests.push(result);
         }
+        // The write-behind of the batch's new blocks: their bytes over the span from the first
+        // write's start to the last one's end (they run while the loads do).
+        let remote_store_gib_s = self.store.remote().map(|r| {
+            r.flush(std::time::Duration::from_secs(600));
+            r.take_write_window().map_or(0.0, |(s, e)| {
+                gib_s((w.new * w.config.batch) as u64 * block_bytes, e - s)
+            })
+        });
         Ok(BatchResult {
             requests,
             t0,
             replied: None,
+            remote_store_gib_s,
         })
     }
 
@@ -476,8 +587,26 @@ impl Bench {
                     store_gib_s: store,
                 }
             });
+        let remote = self.store.remote().map(|_| {
+            let get = Summary::of(&samples.remote_get_baseline).mean;
+            let set = Summary::of(&samples.remote_set_baseline).mean;
+            let load = Summary::of(&samples.remote_load);
+            let store = Summary::of(&samples.remote_store);
+            RemoteFigures {
+                get_baseline_gib_s: get,
+                set_baseline_gib_s: set,
+                ratio_to_baseline: if get > 0.0 { load.mean / get } else { 0.0 },
+                store_ratio_to_baseline: if set > 0.0 { store.mean / set } else { 0.0 },
+                load_gib_s: load,
+                store_gib_s: store,
+            }
+        });
+        if let Some(r) = self.store.remote() {
+            let _ = r.clear(None);
+        }
         let store_queue = self.queues.store.stats();
         let tiers = self.store.stats();
+        let routes = self.queues.routes().with_remote(tiers.remote.as_ref());
         let batch_bw = seed.batch_duplex_bw_gib_s;
         OffloadReport {
             config: w.config.clone(),
@@ -490,13 +619,14 @@ impl Bench {
             memcpy_baseline_gib_s: memcpy_baseline,
             duplex_ratio_to_memcpy: memcpy_baseline.map(|b| if b > 0.0 { batch_bw.mean / b } else { 0.0 }),
             disk,
+            remote,
             verified_blocks: verified,
             mismatched_blocks: mismatched,
             dropped_stores: store_queue.dropped_blocks_total(),
             tiers,
             load_queue: self.queues.load.stats(),
             store_queue,
-            routes: self.queues.routes(),
+            routes,
         }
     }
 }

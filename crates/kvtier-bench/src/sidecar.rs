@@ -514,6 +514,7 @@ async fn run_batch(
             requests,
             t0,
             replied: Some(Instant::now()),
+            remote_store_gib_s: None,
         },
         dropped,
     ))

@@ -326,6 +326,10 @@ pub(crate) struct Samples {
     pub disk_store: Vec<f64>,
     pub disk_write_baseline: Vec<f64>,
     pub disk_read_baseline: Vec<f64>,
+    pub remote_load: Vec<f64>,
+    pub remote_store: Vec<f64>,
+    pub remote_get_baseline: Vec<f64>,
+    pub remote_set_baseline: Vec<f64>,
 }
 
 /// The seed's ten figures of the measured batches.
@@ -396,6 +400,7 @@ pub(crate) struct RequestResult {
     pub store: Option<(u64, TransferTiming)>,
     pub disk_read: Option<(u64, TransferTiming)>,
     pub disk_write: Option<(u64, TransferTiming)>,
+    pub remote_read: Option<(u64, TransferTiming)>,
 }
 
 /// What one batch measured.
@@ -405,6 +410,9 @@ pub(crate) struct BatchResult {
     /// When the requester saw the last reply, if measured (through gRPC: the makespan then
     /// includes the replies' way back).
     pub replied: Option<Instant>,
+    /// With a remote tier: the batch's new bytes over batch start → the last of them in the
+    /// cluster.
+    pub remote_store_gib_s: Option<f64>,
 }
 
 pub(crate) fn ms(d: Duration) -> f64 {
@@ -456,6 +464,8 @@ pub(crate) fn record(samples: &mut Samples, batch: &BatchResult) {
     let writes = batch.requests.iter().filter_map(|r| r.disk_write.as_ref());
     samples.disk_load.push(window_gib_s(reads));
     samples.disk_store.push(window_gib_s(writes));
+    let fetched = batch.requests.iter().filter_map(|r| r.remote_read.as_ref());
+    samples.remote_load.push(window_gib_s(fetched));
 }
 
 /// Pseudo-random bytes (xorshift64*), fast enough not to matter next to the copies.

@@ -16,6 +16,7 @@ mod error;
 mod geometry;
 mod namespace;
 pub mod optional_setting;
+mod secret;
 mod tier;
 
 pub use block_key::{BlockHasher, BlockKey};
@@ -24,4 +25,5 @@ pub use checksum::{Xxh3Stream, xxh3_64};
 pub use error::{CoreError, ErrorKind};
 pub use geometry::{Dtype, KvGeometry};
 pub use namespace::{Namespace, NamespaceFingerprint};
+pub use secret::{REDACTED, Secret};
 pub use tier::Tier;

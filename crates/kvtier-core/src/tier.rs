@@ -6,7 +6,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-/// A tier, fastest first: the engine's device memory, kvtier's host memory, its local disk.
+/// A tier, fastest first: the engine's device memory, kvtier's host memory, its local disk, a
+/// remote store shared by a fleet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Tier {
@@ -16,18 +17,22 @@ pub enum Tier {
     Host,
     /// kvtier's local disk: a load reads the block into a host page first.
     Disk,
+    /// A remote store (Redis Cluster) every node shares: a load fetches the block into a host
+    /// page first.
+    Remote,
 }
 
 impl Tier {
     /// Every tier, in lookup order.
-    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
+    pub const ALL: [Tier; 4] = [Tier::Device, Tier::Host, Tier::Disk, Tier::Remote];
 
-    /// The lowercase name (`device`, `host`, `disk`), as flags, JSON and metric labels write it.
+    /// The lowercase name (`device`, `host`, `disk`, `remote`), as flags, JSON and metric labels write it.
     pub const fn name(self) -> &'static str {
         match self {
             Tier::Device => "device",
             Tier::Host => "host",
             Tier::Disk => "disk",
+            Tier::Remote => "remote",
         }
     }
 }
@@ -45,7 +50,7 @@ impl FromStr for Tier {
         Tier::ALL
             .into_iter()
             .find(|t| t.name() == s)
-            .ok_or_else(|| format!("unknown tier {s:?}: choose device, host or disk"))
+            .ok_or_else(|| format!("unknown tier {s:?}: choose device, host, disk or remote"))
     }
 }
 
@@ -63,7 +68,7 @@ mod tests {
             "ssd"
                 .parse::<Tier>()
                 .unwrap_err()
-                .contains("device, host or disk")
+                .contains("device, host, disk or remote")
         );
     }
 }

@@ -345,7 +345,7 @@ fn usage_json(u: &Usage) -> Value {
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached.total()},
         "kvtier": {
-            "cached_tokens": {"device": u.cached.device, "host": u.cached.host, "disk": u.cached.disk},
+            "cached_tokens": {"device": u.cached.device, "host": u.cached.host, "disk": u.cached.disk, "remote": u.cached.remote},
             "ttft_ms": u.ttft_ms,
             "tpot_ms": u.tpot_ms,
             "e2e_ms": u.e2e_ms,
@@ -1010,10 +1010,17 @@ fn with_sglext(v: &mut Value, u: &Usage, on: bool) {
 
 /// Cached tokens by tier in SGLang's HiCache terms, as its `--cache-report` reads them:
 /// `device` (the engine's own cache), `host` (kvtier's host tier, HiCache's L2) and `storage`
-/// (kvtier's disk tier, HiCache's L3, with `storage_backend` naming it); `disk` repeats
-/// `storage` under kvtier's own name.
+/// (kvtier's disk and remote tiers, HiCache's L3, with `storage_backend` naming them:
+/// `kvtier-disk`, or `kvtier-disk+remote` once a block came from the remote tier); `disk`
+/// and `remote` give `storage` under kvtier's own names.
 fn cached_details(c: &CachedTokens) -> Value {
-    json!({"device": c.device, "host": c.host, "storage": c.disk, "storage_backend": "kvtier-disk", "disk": c.disk})
+    let backend = if c.remote > 0 {
+        "kvtier-disk+remote"
+    } else {
+        "kvtier-disk"
+    };
+    json!({"device": c.device, "host": c.host, "storage": c.disk + c.remote, "storage_backend": backend,
+           "disk": c.disk, "remote": c.remote})
 }
 
 /// SGLang's `meta_info`, on every streamed event and in the full reply: `finish_reason` is

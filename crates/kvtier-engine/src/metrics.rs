@@ -157,6 +157,7 @@ pub(crate) fn request_finished(u: &Usage) {
     counter!(CACHED_TOKENS, "tier" => Tier::Device.name()).increment(u.cached.device as u64);
     counter!(CACHED_TOKENS, "tier" => Tier::Host.name()).increment(u.cached.host as u64);
     counter!(CACHED_TOKENS, "tier" => Tier::Disk.name()).increment(u.cached.disk as u64);
+    counter!(CACHED_TOKENS, "tier" => Tier::Remote.name()).increment(u.cached.remote as u64);
 }
 
 pub(crate) fn forward_pass(prefill_tokens: usize, decode_tokens: usize, seconds: f64) {

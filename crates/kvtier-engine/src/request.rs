@@ -98,12 +98,15 @@ pub struct CachedTokens {
     pub host: usize,
     /// Loaded from kvtier's disk tier.
     pub disk: usize,
+    /// Loaded from kvtier's remote tier (a cluster shared by the fleet).
+    #[serde(default)]
+    pub remote: usize,
 }
 
 impl CachedTokens {
     /// All cached prompt tokens.
     pub fn total(&self) -> usize {
-        self.device + self.host + self.disk
+        self.device + self.host + self.disk + self.remote
     }
 }
 

@@ -555,6 +555,7 @@ impl Scheduler {
                 Tier::Device => s.cached.device += bt,
                 Tier::Host => s.cached.host += bt,
                 Tier::Disk => s.cached.disk += bt,
+                Tier::Remote => s.cached.remote += bt,
             }
             let b = load.first + j;
             let key = s.keys[b];
@@ -698,6 +699,7 @@ impl Scheduler {
         self.stats.cached.device += s.cached.device;
         self.stats.cached.host += s.cached.host;
         self.stats.cached.disk += s.cached.disk;
+        self.stats.cached.remote += s.cached.remote;
         crate::metrics::request_finished(&usage);
         let _ = s.out.send(SeqEvent::Finished { reason, usage });
         true

@@ -177,6 +177,7 @@ mod tests {
             device_tokens: u64::MAX,
             host_tokens: u64::MAX,
             disk_tokens: u64::MAX,
+            remote_tokens: u64::MAX,
         };
         for (what, len) in [
             ("token ids", by_tokens.encoded_len()),

@@ -81,6 +81,8 @@ pub struct LoadDone {
     pub loaded_blocks: u32,
     /// Of those, blocks first read from disk into host memory.
     pub disk_blocks: u32,
+    /// Of those, blocks first fetched from the remote tier into host memory.
+    pub remote_blocks: u32,
     /// Requested blocks that were not loaded (the requester recomputes them).
     pub missing: Vec<BlockKey>,
     /// Bytes copied into the device pool.
@@ -100,6 +102,7 @@ impl TryFrom<proto::LoadDone> for LoadDone {
         Ok(LoadDone {
             loaded_blocks: d.loaded_blocks,
             disk_blocks: d.disk_blocks,
+            remote_blocks: d.remote_blocks,
             missing: unpack_keys("done.missing", &d.missing)?,
             bytes: d.bytes,
             timing: d.timing.map(WireTiming::from),
@@ -112,6 +115,7 @@ impl From<LoadDone> for proto::LoadDone {
         proto::LoadDone {
             loaded_blocks: d.loaded_blocks,
             disk_blocks: d.disk_blocks,
+            remote_blocks: d.remote_blocks,
             missing: pack_keys(&d.missing),
             bytes: d.bytes,
             timing: d.timing.map(proto::TransferTiming::from),
@@ -190,6 +194,7 @@ mod tests {
         let done = LoadDone {
             loaded_blocks: 7,
             disk_blocks: 2,
+            remote_blocks: 1,
             missing: keys(3),
             bytes: 7 << 20,
             timing: Some(WireTiming {

@@ -11,6 +11,7 @@ impl From<Tier> for proto::Tier {
             Tier::Device => proto::Tier::Device,
             Tier::Host => proto::Tier::Host,
             Tier::Disk => proto::Tier::Disk,
+            Tier::Remote => proto::Tier::Remote,
         }
     }
 }
@@ -26,6 +27,7 @@ pub fn tier_filter_from_proto(field: &'static str, value: i32) -> Result<Option<
         Ok(proto::Tier::Device) => Ok(Some(Tier::Device)),
         Ok(proto::Tier::Host) => Ok(Some(Tier::Host)),
         Ok(proto::Tier::Disk) => Ok(Some(Tier::Disk)),
+        Ok(proto::Tier::Remote) => Ok(Some(Tier::Remote)),
         Err(_) => Err(ProtoError::UnknownEnum {
             field,
             kind: "tier",
@@ -70,6 +72,8 @@ pub struct MatchReply {
     pub host_tokens: u64,
     /// On disk only.
     pub disk_tokens: u64,
+    /// In the remote tier only.
+    pub remote_tokens: u64,
 }
 
 impl MatchReply {
@@ -83,6 +87,7 @@ impl MatchReply {
             device_tokens: tokens(Tier::Device),
             host_tokens: tokens(Tier::Host),
             disk_tokens: tokens(Tier::Disk),
+            remote_tokens: tokens(Tier::Remote),
             blocks,
             keys,
         }
@@ -108,6 +113,7 @@ impl From<MatchReply> for proto::MatchResponse {
             device_tokens: r.device_tokens,
             host_tokens: r.host_tokens,
             disk_tokens: r.disk_tokens,
+            remote_tokens: r.remote_tokens,
         }
     }
 }
@@ -136,6 +142,7 @@ impl TryFrom<proto::MatchResponse> for MatchReply {
             device_tokens: r.device_tokens,
             host_tokens: r.host_tokens,
             disk_tokens: r.disk_tokens,
+            remote_tokens: r.remote_tokens,
         })
     }
 }
@@ -221,11 +228,21 @@ mod tests {
                 tier: Tier::Disk,
                 device_slot: None,
             },
+            MatchedBlock {
+                tier: Tier::Remote,
+                device_slot: None,
+            },
         ];
-        let r = MatchReply::new(blocks, vec![key, key], 16);
+        let r = MatchReply::new(blocks, vec![key, key, key], 16);
         assert_eq!(
-            (r.matched_tokens, r.device_tokens, r.host_tokens, r.disk_tokens),
-            (32, 16, 0, 16)
+            (
+                r.matched_tokens,
+                r.device_tokens,
+                r.host_tokens,
+                r.disk_tokens,
+                r.remote_tokens
+            ),
+            (48, 16, 0, 16, 16)
         );
         let back = MatchReply::try_from(proto::MatchResponse::from(r.clone())).unwrap();
         assert_eq!(back, r);

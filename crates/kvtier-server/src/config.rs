@@ -12,13 +12,15 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use kvtier_core::{ByteSize, Dtype, KvGeometry};
-use kvtier_store::{DiskTierConfig, HostTierConfig, PAGE_ALIGN, TieredStoreConfig, WritePolicy};
+use kvtier_store::{
+    DiskTierConfig, HostTierConfig, PAGE_ALIGN, RemoteTierConfig, TieredStoreConfig, WritePolicy,
+};
 use kvtier_transfer::TransferConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::ServerError;
-use crate::secret::Secret;
 use crate::socket_mode::SocketMode;
+use kvtier_core::Secret;
 
 /// Everything `kvtier serve` runs with.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -37,6 +39,9 @@ pub struct ServerConfig {
     pub write_policy: WritePolicy,
     /// Hits that admit a block to disk under `write_through` (default 2).
     pub admit_min_hits: u32,
+    /// The remote tier (a Redis Cluster the fleet shares); `"off"` (default).
+    #[serde(with = "kvtier_core::optional_setting")]
+    pub remote: Option<RemoteTierConfig>,
     /// Transfer queues.
     pub transfer: TransferConfig,
 }
@@ -51,6 +56,7 @@ impl Default for ServerConfig {
             disk: None,
             write_policy: store.write_policy,
             admit_min_hits: store.admit_min_hits,
+            remote: None,
             transfer: TransferConfig::default(),
         }
     }
@@ -229,6 +235,7 @@ impl ServerConfig {
             disk: self.disk.clone(),
             write_policy: self.write_policy,
             admit_min_hits: self.admit_min_hits,
+            remote: self.remote.clone(),
         }
     }
 
@@ -367,6 +374,9 @@ impl ServerConfig {
                 "admit_min_hits = 0: give at least 1 (1 admits a block to disk on its first store; default 2)".into(),
             );
         }
+        if let Some(r) = &self.remote {
+            r.validate().map_err(ServerError::Config)?;
+        }
         let t = &self.transfer;
         let bytes_per_block = geometry.bytes_per_block() as u64;
         for (key, limit) in [
@@ -406,19 +416,35 @@ impl ServerConfig {
     }
 
     /// The configuration as TOML (what `kvtier serve --print-config` prints): every key,
-    /// optional ones as `"off"`, the token as `<redacted>`. With the disk tier off, its keys
-    /// and their defaults follow as comments.
+    /// optional ones as `"off"`, secrets as `<redacted>`. With the disk or remote tier off,
+    /// its keys and their defaults follow as comments.
     pub fn to_toml(&self) -> String {
         let mut out =
             toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot print configuration: {e}\n"));
-        if self.disk.is_none() {
-            let example = toml::to_string_pretty(&DiskTierConfig::default()).unwrap_or_default();
-            out.push_str("\n# The disk tier is off (disk = \"off\"). Setting disk.dir (or --disk-dir) turns it on\n# with these defaults:\n# [disk]\n");
+        // An optional section that is off, as comments: how to turn it on, then its defaults.
+        let commented = |out: &mut String, intro: &str, section: &str, example: String| {
+            out.push_str(&format!("\n# {intro}\n# with these defaults:\n# [{section}]\n"));
             for line in example.lines().filter(|l| !l.is_empty()) {
                 out.push_str("# ");
                 out.push_str(line);
                 out.push('\n');
             }
+        };
+        if self.disk.is_none() {
+            commented(
+                &mut out,
+                "The disk tier is off (disk = \"off\"). Setting disk.dir (or --disk-dir) turns it on",
+                "disk",
+                toml::to_string_pretty(&DiskTierConfig::default()).unwrap_or_default(),
+            );
+        }
+        if self.remote.is_none() {
+            commented(
+                &mut out,
+                "The remote tier is off (remote = \"off\"). Setting remote.nodes turns it on",
+                "remote",
+                toml::to_string_pretty(&RemoteTierConfig::default()).unwrap_or_default(),
+            );
         }
         out
     }
@@ -428,6 +454,7 @@ impl ServerConfig {
     pub fn key_paths() -> Vec<String> {
         let full = ServerConfig {
             disk: Some(DiskTierConfig::default()),
+            remote: Some(RemoteTierConfig::default()),
             ..ServerConfig::default()
         };
         let mut keys = Vec::new();
@@ -785,7 +812,20 @@ layers = 2
         }
         let with_disk = ServerConfig::load(None, vec![], &["disk.dir=\"/var/cache/kvtier\"".into()]).unwrap();
         let defaults = ServerConfig::default();
-        for c in [&defaults, &with_disk] {
+        // The remote tier's nodes as a flag or a variable gives them: one comma-separated string.
+        let with_remote = ServerConfig::load(
+            None,
+            vec![(
+                "KVTIER_REMOTE__NODES".into(),
+                "10.0.0.1:6379, 10.0.0.2:6379".into(),
+            )],
+            &["remote.write_policy=all".into()],
+        )
+        .unwrap();
+        let r = with_remote.remote.as_ref().unwrap();
+        assert_eq!(r.nodes, ["10.0.0.1:6379", "10.0.0.2:6379"]);
+        assert_eq!(r.write_policy, WritePolicy::All);
+        for c in [&defaults, &with_disk, &with_remote] {
             let printed = c.to_toml();
             for k in &keys {
                 let leaf = k.rsplit('.').next().unwrap();
@@ -811,8 +851,17 @@ layers = 2
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let text = std::fs::read_to_string(root.join("deploy/kvtier.toml")).unwrap();
         let table: toml::Table = text.parse().unwrap();
+        // The remote tier ships commented out (it needs a cluster): its keys are documented as
+        // `# key = …` lines after `# [remote]`.
+        let remote_doc = text.split("# [remote]").nth(1).unwrap_or("");
         for k in ServerConfig::key_paths() {
-            assert!(lookup(&table, &k).is_some(), "deploy/kvtier.toml lacks {k}");
+            match k.strip_prefix("remote.") {
+                Some(leaf) => assert!(
+                    remote_doc.lines().any(|l| l.starts_with(&format!("# {leaf} = "))),
+                    "deploy/kvtier.toml does not document {k}"
+                ),
+                None => assert!(lookup(&table, &k).is_some(), "deploy/kvtier.toml lacks {k}"),
+            }
         }
     }
 }

@@ -14,7 +14,6 @@ mod config;
 mod error;
 pub mod metric_names;
 mod pool_registry;
-mod secret;
 mod serve;
 mod service;
 mod session;
@@ -25,8 +24,8 @@ mod uds_authority;
 
 pub use config::{ListenConfig, ModelConfig, ServerConfig};
 pub use error::{ServerError, code_of};
+pub use kvtier_core::{REDACTED, Secret};
 pub use pool_registry::{PoolEntry, Residency};
-pub use secret::{REDACTED, Secret};
 pub use serve::{ServeInfo, serve};
 pub use service::KvTierService;
 pub use session::{SessionGuard, SessionStats, Sessions};

@@ -4,9 +4,10 @@
 
 /// Blocks looked up by Match requests.
 pub const MATCH_LOOKUPS: &str = "kvtier_match_lookup_blocks_total";
-/// Blocks Match found, by `tier` (device, host, disk).
+/// Blocks Match found, by `tier` (device, host, disk, remote).
 pub const MATCH_HITS: &str = "kvtier_match_hit_blocks_total";
-/// Bytes moved, by `route` (host_to_device, device_to_host, disk_to_host, host_to_disk).
+/// Bytes moved, by `route` (host_to_device, device_to_host, disk_to_host, host_to_disk,
+/// remote_to_host, host_to_remote).
 pub const TRANSFER_BYTES: &str = "kvtier_transfer_bytes_total";
 /// Blocks moved, by `route`.
 pub const TRANSFER_BLOCKS: &str = "kvtier_transfer_blocks_total";
@@ -38,8 +39,16 @@ pub const EVICTIONS: &str = "kvtier_evictions_total";
 pub const DROPPED_STORES: &str = "kvtier_dropped_stores_total";
 /// Disk writes dropped, by `reason` (queue_full, no_space, io_error).
 pub const DROPPED_DISK_WRITES: &str = "kvtier_dropped_disk_writes_total";
-/// Blocks found corrupt on disk (dropped, never served).
+/// Blocks found corrupt (dropped, never served), by `tier` (disk, remote).
 pub const CORRUPT_BLOCKS: &str = "kvtier_corrupt_blocks_total";
+/// Remote-tier writes dropped, by `reason` (queue_full, unavailable, timeout, error).
+pub const DROPPED_REMOTE_WRITES: &str = "kvtier_dropped_remote_writes_total";
+/// Remote-tier block reads, by `outcome` (hit, miss, corrupt, timeout, error).
+pub const REMOTE_READS: &str = "kvtier_remote_reads_total";
+/// Blocks waiting for their remote-tier write (each holds its host page pinned).
+pub const REMOTE_PENDING_WRITES: &str = "kvtier_remote_pending_write_blocks";
+/// 1 while the remote tier's cluster is connected, 0 while it is not (or there is none).
+pub const REMOTE_CONNECTED: &str = "kvtier_remote_connected";
 /// Load blocks in no tier (reported to the engine, which recomputes them).
 pub const MISSING_BLOCKS: &str = "kvtier_load_missing_blocks_total";
 /// Blocks pinned now (transfers and soft pins).
@@ -72,6 +81,10 @@ pub const ALL: &[&str] = &[
     DROPPED_STORES,
     DROPPED_DISK_WRITES,
     CORRUPT_BLOCKS,
+    DROPPED_REMOTE_WRITES,
+    REMOTE_READS,
+    REMOTE_PENDING_WRITES,
+    REMOTE_CONNECTED,
     MISSING_BLOCKS,
     PINNED_BLOCKS,
     SESSIONS,
@@ -136,7 +149,14 @@ pub fn describe() {
     describe_counter!(EVICTIONS, "Blocks evicted to make room, by tier");
     describe_counter!(DROPPED_STORES, "Store blocks dropped, by reason");
     describe_counter!(DROPPED_DISK_WRITES, "Disk writes dropped, by reason");
-    describe_counter!(CORRUPT_BLOCKS, "Blocks found corrupt on disk");
+    describe_counter!(CORRUPT_BLOCKS, "Blocks found corrupt, by tier");
+    describe_counter!(DROPPED_REMOTE_WRITES, "Remote-tier writes dropped, by reason");
+    describe_counter!(REMOTE_READS, "Remote-tier block reads, by outcome");
+    describe_gauge!(
+        REMOTE_PENDING_WRITES,
+        "Blocks waiting for their remote-tier write"
+    );
+    describe_gauge!(REMOTE_CONNECTED, "1 while the remote tier's cluster is connected");
     describe_counter!(MISSING_BLOCKS, "Load blocks in no tier");
     describe_gauge!(PINNED_BLOCKS, "Blocks pinned now");
     describe_gauge!(SESSIONS, "Open sessions");

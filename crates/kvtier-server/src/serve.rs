@@ -35,7 +35,8 @@ pub struct ServeInfo {
 /// Runs the sidecar until `shutdown` resolves, then stops accepting, lets in-flight requests
 /// finish (up to `server.shutdown_grace_ms`), ends sessions (releasing their pins), lets the
 /// disk writes of acknowledged stores finish (up to `server.shutdown_grace_ms` more; blocks
-/// still waiting then are logged with their count) and flushes the disk tier to stable storage.
+/// still waiting then are logged with their count), flushes the disk tier to stable storage
+/// and lets queued remote-tier writes finish (up to the grace period again).
 /// `ready` receives the listeners once the host arena is populated and the sockets accept
 /// requests.
 ///
@@ -224,6 +225,21 @@ pub async fn serve(
         match flushed {
             Ok(entries) => tracing::info!(entries, "disk tier flushed"),
             Err(error) => tracing::warn!(%error, "disk tier flush failed"),
+        }
+    }
+    if let Some(r) = state.store.remote() {
+        // Acknowledged stores queued for the remote tier: written before the process goes,
+        // within the grace period (the fleet's other nodes would otherwise miss them).
+        let r = r.clone();
+        let flushed = tokio::task::spawn_blocking(move || (r.flush(grace), r.stats().pending_writes)).await;
+        match flushed {
+            Ok((true, _)) => tracing::info!("remote tier writes flushed"),
+            Ok((false, pending)) => tracing::warn!(
+                pending_remote_blocks = pending,
+                grace_ms = grace.as_millis() as u64,
+                "remote writes still pending at the end of the grace period; those blocks are not in the remote tier"
+            ),
+            Err(e) => tracing::warn!(error = %e, "waiting for the remote tier failed"),
         }
     }
     let _ = std::fs::remove_file(&socket);

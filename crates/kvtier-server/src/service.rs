@@ -170,46 +170,68 @@ impl KvTierService {
         Ok(())
     }
 
-    /// The leading blocks found on this pool's device (as its engine reported), in host
-    /// memory or on disk; the first block in none ends the run.
-    fn locate(
+    /// [`locate`], on a blocking thread when a remote tier may be asked (its lookups are
+    /// network round trips), inline otherwise.
+    async fn locate(
         &self,
-        pool: &PoolEntry,
+        pool: Arc<PoolEntry>,
         ns: kvtier_core::NamespaceFingerprint,
-        keys: &[BlockKey],
-    ) -> Vec<MatchedBlock> {
-        let state = &self.state;
-        let on_device = |slot| MatchedBlock {
-            tier: Tier::Device,
-            device_slot: Some(slot),
-        };
-        let device = pool.device_slots(keys);
-        let mut out = Vec::with_capacity(keys.len());
-        let mut i = 0;
-        while i < keys.len() {
-            if let Some(slot) = device[i] {
-                out.push(on_device(slot));
-                i += 1;
-                continue;
-            }
-            // Counts host hits for the disk admission filter, and queues admitted writes.
-            let m = state.queues.match_prefix(&state.store, ns, &keys[i..]);
-            if m.tiers.is_empty() {
-                break;
-            }
-            for t in m.tiers {
-                out.push(device[i].map_or(
-                    MatchedBlock {
-                        tier: t,
-                        device_slot: None,
-                    },
-                    on_device,
-                ));
-                i += 1;
-            }
+        keys: Vec<BlockKey>,
+    ) -> Result<(Vec<MatchedBlock>, Vec<BlockKey>), ServerError> {
+        if self.state.store.remote().is_none() {
+            let found = locate(&self.state, &pool, ns, &keys);
+            return Ok((found, keys));
         }
-        out
+        let state = Arc::clone(&self.state);
+        blocking(move || {
+            let found = locate(&state, &pool, ns, &keys);
+            Ok((found, keys))
+        })
+        .await
     }
+}
+
+/// The leading blocks found on this pool's device (as its engine reported), in host memory,
+/// on disk or in the remote tier; the first block in none ends the run.
+///
+/// # Blocking
+/// Up to the remote tier's timeout when it has one.
+fn locate(
+    state: &ServerState,
+    pool: &PoolEntry,
+    ns: kvtier_core::NamespaceFingerprint,
+    keys: &[BlockKey],
+) -> Vec<MatchedBlock> {
+    let on_device = |slot| MatchedBlock {
+        tier: Tier::Device,
+        device_slot: Some(slot),
+    };
+    let device = pool.device_slots(keys);
+    let mut out = Vec::with_capacity(keys.len());
+    let mut i = 0;
+    while i < keys.len() {
+        if let Some(slot) = device[i] {
+            out.push(on_device(slot));
+            i += 1;
+            continue;
+        }
+        // Counts host hits for the disk admission filter, and queues admitted writes.
+        let m = state.queues.match_prefix(&state.store, ns, &keys[i..]);
+        if m.tiers.is_empty() {
+            break;
+        }
+        for t in m.tiers {
+            out.push(device[i].map_or(
+                MatchedBlock {
+                    tier: t,
+                    device_slot: None,
+                },
+                on_device,
+            ));
+            i += 1;
+        }
+    }
+    out
 }
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
@@ -364,11 +386,13 @@ impl KvTier for KvTierService {
         .await
     }
 
-    /// Where each leading block of a sequence is (device, host, disk).
+    /// Where each leading block of a sequence is (device, host, disk, remote).
     ///
     /// # Cancel safety
-    /// Runs without awaiting: the hits it counts for the disk admission filter and the disk
-    /// writes it admits are queued whether or not the reply is read.
+    /// Without a remote tier it runs without awaiting; with one, the lookup runs on a
+    /// blocking thread and completes even if the call is dropped. Either way the hits it
+    /// counts for the admission filters and the writes it admits are queued whether or not
+    /// the reply is read.
     async fn r#match(
         &self,
         request: Request<proto::MatchRequest>,
@@ -396,7 +420,7 @@ impl KvTier for KvTierService {
                     ));
                 }
             };
-            let found = self.locate(&pool, ns, &keys);
+            let (found, keys) = self.locate(pool, ns, keys).await?;
             let hashed = if from_tokens {
                 keys[..found.len()].to_vec()
             } else {
@@ -695,18 +719,25 @@ impl KvTier for KvTierService {
             };
             let refuse = || {
                 ServerError::InvalidArgument(format!(
-                    "tier {}: clear TIER_HOST, TIER_DISK or every tier (TIER_UNSPECIFIED)",
+                    "tier {}: clear TIER_HOST, TIER_DISK, TIER_REMOTE or host and disk (TIER_UNSPECIFIED)",
                     r.tier
                 ))
             };
-            let (host_tier, disk_tier) = match tier_filter_from_proto("tier", r.tier).map_err(|_| refuse())? {
-                None => (true, true),
-                Some(Tier::Host) => (true, false),
-                Some(Tier::Disk) => (false, true),
+            let tier = tier_filter_from_proto("tier", r.tier).map_err(|_| refuse())?;
+            let (host_tier, disk_tier, remote_tier) = match tier {
+                None => (true, true, false),
+                Some(Tier::Host) => (true, false, false),
+                Some(Tier::Disk) => (false, true, false),
+                Some(Tier::Remote) => (false, false, true),
                 Some(Tier::Device) => return Err(refuse()),
             };
+            if remote_tier && self.state.store.remote().is_none() {
+                return Err(ServerError::Unsupported(
+                    "clearing TIER_REMOTE on a sidecar without a remote tier (remote.nodes)".into(),
+                ));
+            }
             let state = Arc::clone(&self.state);
-            let (host, kept, disk) = blocking(move || {
+            let (host, kept, disk, remote) = blocking(move || {
                 let (host, kept) = if host_tier {
                     state.store.host().clear(ns)
                 } else {
@@ -716,13 +747,18 @@ impl KvTier for KvTierService {
                     Some(d) if disk_tier => d.clear(ns)?,
                     _ => 0,
                 };
-                Ok((host, kept, disk))
+                let remote = match state.store.remote() {
+                    Some(r) if remote_tier => r.clear(ns)?,
+                    _ => 0,
+                };
+                Ok((host, kept, disk, remote))
             })
             .await?;
             Ok(proto::ClearResponse {
                 host_blocks: host,
                 disk_blocks: disk,
                 kept_pinned: kept,
+                remote_blocks: remote,
             })
         })
         .await
@@ -797,6 +833,7 @@ impl Stream for LoadEvents {
                     kvtier_proto::LoadEvent::Done(LoadDone {
                         loaded_blocks: r.loaded_blocks as u32,
                         disk_blocks: r.disk_blocks as u32,
+                        remote_blocks: r.remote_blocks as u32,
                         timing: Some(wire_timing(&r.timing)),
                         missing: r.missing,
                         bytes: r.bytes,

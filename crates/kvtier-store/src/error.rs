@@ -97,7 +97,7 @@ pub enum StoreError {
     NotFound {
         /// The key.
         key: BlockKey,
-        /// `host` or `disk`.
+        /// `host`, `disk` or `remote`.
         tier: &'static str,
     },
     /// A stored block failed verification (checksum, key, namespace or length): it was dropped
@@ -167,6 +167,30 @@ pub enum StoreError {
         /// Pages in the tier.
         capacity_pages: u32,
     },
+    /// The remote tier's configuration is unusable.
+    #[error("remote tier: {reason}")]
+    RemoteConfig {
+        /// What is wrong, naming the key.
+        reason: String,
+    },
+    /// The remote cluster refused kvtier's credentials.
+    #[error(
+        "remote tier {nodes}: authentication failed ({reason}): check remote.username and remote.password"
+    )]
+    RemoteAuth {
+        /// The configured nodes.
+        nodes: String,
+        /// The cluster's answer.
+        reason: String,
+    },
+    /// A remote-tier operation failed (not connected, timeout, cluster error).
+    #[error("remote tier {op}: {reason}")]
+    Remote {
+        /// What was being done (`read`, `clear`, …).
+        op: &'static str,
+        /// Why it failed.
+        reason: String,
+    },
 }
 
 impl StoreError {
@@ -189,6 +213,9 @@ impl StoreError {
             | StoreError::BufferSize { .. } => ErrorKind::InvalidArgument,
             StoreError::CorruptBlock { .. } => ErrorKind::DataLoss,
             StoreError::DiskFull { .. } | StoreError::NoSpace { .. } => ErrorKind::ResourceExhausted,
+            StoreError::RemoteConfig { .. } => ErrorKind::InvalidArgument,
+            StoreError::RemoteAuth { .. } => ErrorKind::FailedPrecondition,
+            StoreError::Remote { .. } => ErrorKind::Unavailable,
         }
     }
 

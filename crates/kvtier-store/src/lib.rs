@@ -10,9 +10,12 @@
 //! - [`DiskTier`]: log-structured region files with checksummed entries, O_DIRECT, FIFO region
 //!   reclaim and crash recovery.
 //!
-//! - [`TieredStore`]: both tiers and the [`WritePolicy`] between them.
+//! - [`RemoteTier`]: blocks in a Redis Cluster shared by a fleet, as checksummed values
+//!   ([`remote_value`]), written behind and read in parallel under deadlines.
 //!
-//! No networking here; the transfer queues (kvtier-transfer) move bytes in and out.
+//! - [`TieredStore`]: the tiers and the [`WritePolicy`] between them.
+//!
+//! The transfer queues (kvtier-transfer) move bytes in and out.
 #![warn(missing_docs)]
 
 mod aligned_buf;
@@ -24,7 +27,11 @@ mod fault_guard;
 mod host_arena;
 mod host_tier;
 mod key_hasher;
+mod remote_tier;
+pub mod remote_value;
 mod shm_region;
+#[cfg(any(test, feature = "test-util"))]
+pub mod test_cluster;
 mod tiered_store;
 
 pub use disk_tier::{Appended, DirectIo, DiskTier, DiskTierConfig, DiskTierStats, RecoveryReport};
@@ -35,5 +42,6 @@ pub use host_tier::{
     HostBacking, HostPage, HostTier, HostTierConfig, HostTierStats, PageWriter, PinnedPage, Removal,
     Reservation,
 };
+pub use remote_tier::{DropReason, RemoteReads, RemoteTier, RemoteTierConfig, RemoteTierStats};
 pub use shm_region::{Prefault, ShmRegion};
 pub use tiered_store::{PrefixMatch, TieredStore, TieredStoreConfig, TieredStoreStats, WritePolicy};

@@ -1,12 +1,12 @@
-//! The tiers of one KV geometry together: the host tier, an optional disk tier, and the write
-//! policy that decides which blocks go to disk.
+//! The tiers of one KV geometry together: the host tier, an optional disk tier, an optional
+//! remote tier, and the write policies that decide which blocks go to each.
 
 use kvtier_core::{BlockKey, KvGeometry, NamespaceFingerprint, Tier};
 use serde::{Deserialize, Serialize};
 
 use crate::{
     DiskTier, DiskTierConfig, DiskTierStats, HostTier, HostTierConfig, HostTierStats, RecoveryReport,
-    StoreError,
+    RemoteTier, RemoteTierConfig, RemoteTierStats, StoreError,
 };
 
 /// Which blocks are written to the disk tier.
@@ -50,6 +50,8 @@ pub struct TieredStoreConfig {
     pub write_policy: WritePolicy,
     /// Hits that admit a block to disk under `write_through` (default 2).
     pub admit_min_hits: u32,
+    /// The remote tier (with its own write policy); `None` (default) for none.
+    pub remote: Option<RemoteTierConfig>,
 }
 
 impl Default for TieredStoreConfig {
@@ -59,6 +61,7 @@ impl Default for TieredStoreConfig {
             disk: None,
             write_policy: WritePolicy::default(),
             admit_min_hits: 2,
+            remote: None,
         }
     }
 }
@@ -66,11 +69,14 @@ impl Default for TieredStoreConfig {
 /// The leading run of keys found in some tier.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrefixMatch {
-    /// Tier of each leading block found, [`Tier::Host`] or [`Tier::Disk`] (a block in no tier
-    /// ends the run).
+    /// Tier of each leading block found, [`Tier::Host`], [`Tier::Disk`] or [`Tier::Remote`]
+    /// (a block in no tier ends the run).
     pub tiers: Vec<Tier>,
     /// Blocks this match admitted to disk (write-through): the caller should persist them.
     pub admitted: Vec<BlockKey>,
+    /// Blocks this match admitted to the remote tier (write-through): the caller should
+    /// write them ([`TieredStore::write_remote`]).
+    pub admitted_remote: Vec<BlockKey>,
 }
 
 impl PrefixMatch {
@@ -82,6 +88,10 @@ impl PrefixMatch {
     pub fn disk_blocks(&self) -> usize {
         self.tiers.iter().filter(|t| **t == Tier::Disk).count()
     }
+    /// Matched blocks only in the remote tier.
+    pub fn remote_blocks(&self) -> usize {
+        self.tiers.iter().filter(|t| **t == Tier::Remote).count()
+    }
 }
 
 /// Counters of every tier.
@@ -91,22 +101,29 @@ pub struct TieredStoreStats {
     pub host: HostTierStats,
     /// The disk tier, if any.
     pub disk: Option<DiskTierStats>,
+    /// The remote tier, if any.
+    pub remote: Option<RemoteTierStats>,
 }
 
-/// The host tier, an optional disk tier and the policy between them. Cheap to clone.
+/// The host tier, an optional disk tier, an optional remote tier and the policies between
+/// them. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct TieredStore {
     host: HostTier,
     disk: Option<DiskTier>,
     write_policy: WritePolicy,
     admit_min_hits: u32,
+    remote: Option<RemoteTier>,
 }
 
 impl TieredStore {
-    /// Builds the tiers (recovering the disk tier if configured).
+    /// Builds the tiers (recovering the disk tier, connecting the remote tier if configured).
+    ///
+    /// # Blocking
+    /// Up to the remote tier's connect timeout.
     ///
     /// # Errors
-    /// The host or disk tier's errors.
+    /// The host, disk or remote tier's errors.
     pub fn open(
         geometry: KvGeometry,
         config: &TieredStoreConfig,
@@ -119,8 +136,13 @@ impl TieredStore {
             }
             None => (None, None),
         };
+        let remote = config
+            .remote
+            .as_ref()
+            .map(|r| RemoteTier::open(geometry, r))
+            .transpose()?;
         Ok((
-            Self::new(host, disk, config.write_policy, config.admit_min_hits),
+            Self::new(host, disk, config.write_policy, config.admit_min_hits).with_remote(remote),
             report,
         ))
     }
@@ -137,7 +159,38 @@ impl TieredStore {
             disk,
             write_policy,
             admit_min_hits: admit_min_hits.max(1),
+            remote: None,
         }
+    }
+
+    /// The same tiers with `remote` as the remote tier.
+    pub fn with_remote(mut self, remote: Option<RemoteTier>) -> Self {
+        self.remote = remote;
+        self
+    }
+
+    /// The remote tier, if any.
+    pub fn remote(&self) -> Option<&RemoteTier> {
+        self.remote.as_ref()
+    }
+
+    /// The remote tier if every stored block is to be written to it (its policy `all`).
+    pub fn remote_on_store(&self) -> Option<&RemoteTier> {
+        self.remote
+            .as_ref()
+            .filter(|r| r.config().write_policy == WritePolicy::All)
+    }
+
+    /// Queues the resident host blocks among `keys` (of `ns`) for the remote tier; returns how
+    /// many were queued (the rest are not resident, or dropped and counted by the tier).
+    ///
+    /// Cost: one pin per key; the writes run in the background.
+    pub fn write_remote(&self, ns: NamespaceFingerprint, keys: &[BlockKey]) -> usize {
+        let Some(remote) = &self.remote else { return 0 };
+        keys.iter()
+            .filter_map(|&k| self.host.pin(ns, k))
+            .filter(|p| remote.write_behind(ns, p.clone()).is_ok())
+            .count()
     }
 
     /// Host memory only.
@@ -170,14 +223,29 @@ impl TieredStore {
         self.disk.is_some() && self.write_policy == WritePolicy::All
     }
 
-    /// The leading run of `keys` found in host memory or on disk, counting host hits for the
-    /// admission filter.
+    /// The leading run of `keys` found in host memory, on disk or in the remote tier, counting
+    /// host hits for the admission filters.
     ///
-    /// Cost: one host index lookup per key, one disk index lookup per key not in host memory.
+    /// Cost: one host index lookup per key, one disk index lookup per key not in host memory,
+    /// and for the keys past both, one remote lookup each up to the first miss
+    /// ([`RemoteTier::match_run`]: network round trips, bounded by its timeout).
     pub fn match_prefix(&self, ns: NamespaceFingerprint, keys: &[BlockKey]) -> PrefixMatch {
-        let threshold = match (&self.disk, self.write_policy) {
+        let disk_threshold = match (&self.disk, self.write_policy) {
             (Some(_), WritePolicy::WriteThrough) => self.admit_min_hits,
             _ => 0,
+        };
+        let remote_threshold = match &self.remote {
+            Some(r) if r.config().write_policy == WritePolicy::WriteThrough => {
+                r.config().admit_min_hits.max(1)
+            }
+            _ => 0,
+        };
+        // One count serves both filters when they agree; otherwise the disk's (the remote
+        // filter then admits on the same count, see below).
+        let threshold = if disk_threshold > 0 {
+            disk_threshold
+        } else {
+            remote_threshold
         };
         let (pages, reached) = self.host.match_prefix_counting(ns, keys, threshold);
         let mut tiers = vec![Tier::Host; pages.len()];
@@ -190,19 +258,36 @@ impl TieredStore {
                 break;
             }
         }
+        if let Some(r) = &self.remote
+            && tiers.len() < keys.len()
+        {
+            let run = r.match_run(ns, &keys[tiers.len()..]);
+            tiers.extend(std::iter::repeat_n(Tier::Remote, run));
+        }
         let admitted = match &self.disk {
-            Some(d) => reached
-                .into_iter()
-                .map(|i| keys[i])
+            Some(d) if disk_threshold > 0 => reached
+                .iter()
+                .map(|&i| keys[i])
                 .filter(|&k| !d.contains(ns, k))
                 .collect(),
-            None => Vec::new(),
+            _ => Vec::new(),
         };
-        PrefixMatch { tiers, admitted }
+        let admitted_remote = if remote_threshold > 0 {
+            reached.iter().map(|&i| keys[i]).collect()
+        } else {
+            Vec::new()
+        };
+        PrefixMatch {
+            tiers,
+            admitted,
+            admitted_remote,
+        }
     }
 
-    /// Forgets every block of `ns` (or of all namespaces) in every tier, except host blocks
-    /// pinned right now. Returns blocks removed from host memory and from disk.
+    /// Forgets every block of `ns` (or of all namespaces) in host memory and on disk, except
+    /// host blocks pinned right now. Returns blocks removed from host memory and from disk.
+    /// The remote tier, shared by the fleet, is cleared only by name
+    /// ([`RemoteTier::clear`]).
     ///
     /// # Errors
     /// The disk tier's errors.
@@ -220,6 +305,7 @@ impl TieredStore {
         TieredStoreStats {
             host: self.host.stats(),
             disk: self.disk.as_ref().map(DiskTier::stats),
+            remote: self.remote.as_ref().map(RemoteTier::stats),
         }
     }
 }

@@ -18,7 +18,8 @@ use std::path::PathBuf;
 
 use kvtier_core::{BlockKey, Dtype, KvGeometry, NamespaceFingerprint};
 use kvtier_store::{
-    DiskTier, DiskTierConfig, EvictionKind, HostTier, PinnedPage, Reservation, TieredStore, WritePolicy,
+    DiskTier, DiskTierConfig, EvictionKind, HostTier, PinnedPage, RemoteTier, RemoteTierConfig, Reservation,
+    TieredStore, WritePolicy,
 };
 
 use crate::TransferConfig;
@@ -169,6 +170,69 @@ impl TierSubject for HostOverDisk {
     }
 }
 
+/// Host memory (S3-FIFO) over the remote tier on the cluster at `nodes`, under `policy`, with
+/// its keys under `key_prefix` (one of its own per subject, so each starts empty).
+#[derive(Debug)]
+pub struct HostOverRemote {
+    /// The cluster's nodes.
+    pub nodes: Vec<String>,
+    /// This subject's key prefix.
+    pub key_prefix: String,
+    /// The remote tier's write policy.
+    pub policy: WritePolicy,
+}
+
+impl HostOverRemote {
+    fn remote(&self) -> RemoteTier {
+        RemoteTier::open(
+            geometry(),
+            &RemoteTierConfig {
+                nodes: self.nodes.clone(),
+                key_prefix: self.key_prefix.clone(),
+                write_policy: self.policy,
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("remote tier: {e}"))
+    }
+}
+
+impl TierSubject for HostOverRemote {
+    fn open(&self) -> TieredStore {
+        let g = geometry();
+        let host = HostTier::new(g, &host_config(g, HOST_BLOCKS, EvictionKind::S3fifo))
+            .unwrap_or_else(|e| panic!("host tier: {e}"));
+        TieredStore::host_only(host).with_remote(Some(self.remote()))
+    }
+    fn persistent(&self) -> bool {
+        true
+    }
+    fn damage_at_rest(&self) -> bool {
+        self.remote().damage_all().is_ok_and(|n| n > 0)
+    }
+}
+
+/// Whether the store has a tier that outlives host memory (disk or remote).
+fn has_persistent(store: &TieredStore) -> bool {
+    store.disk().is_some() || store.remote().is_some()
+}
+
+/// Blocks found corrupt so far in the persistent tiers.
+fn corrupt_total(store: &TieredStore) -> u64 {
+    store.disk().map_or(0, |d| d.stats().corrupt_total)
+        + store.remote().map_or(0, |r| r.stats().corrupt_total)
+}
+
+/// Clears `ns` in every tier, the shared remote tier included (which a store's own clear
+/// leaves alone: there it is asked by name).
+fn clear_everywhere(store: &TieredStore, ns: NamespaceFingerprint) -> Result<(), String> {
+    store.clear(Some(ns)).map_err(|e| format!("clear: {e}"))?;
+    if let Some(r) = store.remote() {
+        r.clear(Some(ns)).map_err(|e| format!("remote clear: {e}"))?;
+    }
+    Ok(())
+}
+
 fn ensure(ok: bool, what: impl FnOnce() -> String) -> CheckResult {
     if ok { Ok(()) } else { Err(what()) }
 }
@@ -190,7 +254,11 @@ fn store(r: &Rig, ns: NamespaceFingerprint, keys: &[BlockKey], first_slot: u32) 
     ensure(copied.stored_blocks == keys.len(), || {
         format!("stored {} of {} blocks", copied.stored_blocks, keys.len())
     })?;
-    if r.store.write_policy() == WritePolicy::WriteThrough {
+    let remote_write_through = r
+        .store
+        .remote()
+        .is_some_and(|t| t.config().write_policy == WritePolicy::WriteThrough);
+    if r.store.write_policy() == WritePolicy::WriteThrough || remote_write_through {
         for _ in 0..2 {
             r.queues.match_prefix(&r.store, ns, keys);
         }
@@ -198,10 +266,17 @@ fn store(r: &Rig, ns: NamespaceFingerprint, keys: &[BlockKey], first_slot: u32) 
     // Every job (and the tiers it holds) is gone once the queue is idle: the tiers may be
     // reopened after the rig drops.
     r.queues.store.wait_idle();
+    // Writes behind to the remote tier are acknowledged once queued: wait for them.
+    if let Some(remote) = r.store.remote() {
+        ensure(remote.flush(std::time::Duration::from_secs(60)), || {
+            "remote writes did not finish".into()
+        })?;
+    }
     Ok(())
 }
 
-/// Loads `keys` into slots `first_slot..`: (loaded, from disk, missing).
+/// Loads `keys` into slots `first_slot..`: (loaded, from the persistent tier (disk or remote),
+/// missing).
 fn load(
     r: &Rig,
     ns: NamespaceFingerprint,
@@ -216,7 +291,11 @@ fn load(
         .and_then(|t| t.wait())
         .map_err(|e| format!("load: {e}"))?;
     r.queues.load.wait_idle();
-    Ok((report.loaded_blocks, report.disk_blocks, report.missing.len()))
+    Ok((
+        report.loaded_blocks,
+        report.disk_blocks + report.remote_blocks,
+        report.missing.len(),
+    ))
 }
 
 fn matched(r: &Rig, ns: NamespaceFingerprint, keys: &[BlockKey]) -> usize {
@@ -292,15 +371,15 @@ pub fn read_back_bit_exact(subject: &dyn TierSubject) -> CheckResult {
             "slot {slot} layer {layer} differs after a load from host memory"
         ));
     }
-    if r.store.disk().is_some() {
+    if has_persistent(&r.store) {
         r.host.clear(None);
         let (loaded, disk, _) = load(&r, A, &ks, 200)?;
         ensure((loaded, disk) == (24, 24), || {
-            format!("{loaded} loaded, {disk} from disk, of 24")
+            format!("{loaded} loaded, {disk} from the persistent tier, of 24")
         })?;
         if let Some((slot, layer)) = r.first_wrong_slot(&ks, 200) {
             return Err(format!(
-                "slot {slot} layer {layer} differs after a load from disk"
+                "slot {slot} layer {layer} differs after a load from the persistent tier"
             ));
         }
     }
@@ -320,7 +399,7 @@ pub fn other_namespace_is_a_miss(subject: &dyn TierSubject) -> CheckResult {
         ensure((loaded, missing) == (0, 8), || {
             format!("another namespace loaded {loaded} blocks from {pass}")
         })?;
-        if r.store.disk().is_none() {
+        if !has_persistent(&r.store) {
             break;
         }
         r.host.clear(None);
@@ -338,7 +417,7 @@ pub fn clear_by_namespace_holds(subject: &dyn TierSubject) -> CheckResult {
         let r = rig(subject);
         store(&r, A, &ka, 0)?;
         store(&r, B, &kb, 8)?;
-        r.store.clear(Some(A)).map_err(|e| format!("clear: {e}"))?;
+        clear_everywhere(&r.store, A)?;
         ensure(matched(&r, A, &ka) == 0, || {
             "a cleared namespace still matched".into()
         })?;
@@ -385,7 +464,7 @@ pub fn pinned_is_never_evicted(subject: &dyn TierSubject) -> CheckResult {
     })?;
     let (loaded, disk, _) = load(&r, A, &ks, 300)?;
     ensure((loaded, disk) == (8, 0), || {
-        format!("pinned blocks: {loaded} loaded, {disk} from disk")
+        format!("pinned blocks: {loaded} loaded, {disk} from the persistent tier")
     })?;
     if let Some((slot, layer)) = r.first_wrong_slot(&ks, 300) {
         return Err(format!("pinned block in slot {slot} layer {layer} changed"));
@@ -406,12 +485,12 @@ pub fn damaged_at_rest_is_a_miss_and_counted(subject: &dyn TierSubject) -> Check
     ensure(subject.damage_at_rest(), || {
         "a persistent subject damaged nothing".into()
     })?;
-    let before = r.store.disk().map_or(0, |d| d.stats().corrupt_total);
+    let before = corrupt_total(&r.store);
     let (loaded, _, missing) = load(&r, A, &ks, 100)?;
     ensure((loaded, missing) == (0, 16), || {
         format!("{loaded} damaged blocks were served, {missing} reported missing")
     })?;
-    let counted = r.store.disk().map_or(0, |d| d.stats().corrupt_total) - before;
+    let counted = corrupt_total(&r.store) - before;
     ensure(counted == 16, || {
         format!("{counted} of 16 damaged blocks counted as corrupt")
     })
@@ -430,7 +509,7 @@ pub fn reopen_keeps_acknowledged(subject: &dyn TierSubject) -> CheckResult {
     let r = rig(subject);
     let (loaded, disk, missing) = load(&r, A, &ks, 100)?;
     ensure((loaded, disk, missing) == (40, 40, 0), || {
-        format!("after a reopen: {loaded} loaded, {disk} from disk, {missing} missing of 40")
+        format!("after a reopen: {loaded} loaded, {disk} from the persistent tier, {missing} missing of 40")
     })?;
     match r.first_wrong_slot(&ks, 100) {
         Some((slot, layer)) => Err(format!("slot {slot} layer {layer} differs after a reopen")),

@@ -6,8 +6,10 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvtier_core::{BlockKey, NamespaceFingerprint};
-use kvtier_store::{DiskTier, HostTier, PageWriter, PinnedPage, Reservation, StoreError, TieredStore};
+use kvtier_core::{BlockKey, NamespaceFingerprint, Tier};
+use kvtier_store::{
+    DiskTier, HostTier, PageWriter, PinnedPage, RemoteReads, RemoteTier, Reservation, StoreError, TieredStore,
+};
 
 use crate::disk_io_gate::{DiskIoGate, PendingReads};
 use crate::event_sink::EventSink;
@@ -30,6 +32,9 @@ pub struct LoadBlock {
 /// Progress of a load, in order: at most one `Missing`, then `LayerReady` for layer 0, 1, …
 /// (each once every loadable block of that layer is in its slot), then exactly one `Done`.
 #[derive(Debug)]
+// `Done` carries the report (with its timings) inline: one such event per load, so boxing it
+// would buy nothing but an allocation.
+#[allow(clippy::large_enum_variant)]
 pub enum LoadEvent {
     /// Blocks found on disk at submission that could not be read (corrupt, reclaimed, I/O
     /// error): their slots are not written; recompute them.
@@ -53,6 +58,8 @@ pub struct LoadReport {
     pub loaded_blocks: usize,
     /// Of those, blocks first read from disk into host pages.
     pub disk_blocks: usize,
+    /// Of those, blocks first fetched from the remote tier into host pages.
+    pub remote_blocks: usize,
     /// Requested blocks that could not be loaded: their slots were not written; the requester
     /// must recompute them.
     pub missing: Vec<BlockKey>,
@@ -62,6 +69,9 @@ pub struct LoadReport {
     pub timing: TransferTiming,
     /// When the disk reads ran (`None` if nothing came from disk).
     pub disk_timing: Option<TransferTiming>,
+    /// When the remote fetches ran (`None` if nothing came from the remote tier). A load with
+    /// blocks from both has one promotion phase: both timings are that phase.
+    pub remote_timing: Option<TransferTiming>,
 }
 
 /// The requester's handle on a load. Dropping it before `Done` cancels the load: chunks not yet
@@ -257,16 +267,25 @@ impl LoadQueue {
                 ready.push((b.slot, pin));
                 continue;
             }
-            if let Some(disk) = store.disk()
-                && disk.contains(ns, b.key)
-            {
+            // Not in host memory: read it from disk if it is there, else fetch it from the
+            // remote tier (a value that is not there, or does not verify, is then missing).
+            let from = if store.disk().is_some_and(|d| d.contains(ns, b.key)) {
+                Some(Tier::Disk)
+            } else if store.remote().is_some_and(RemoteTier::connected) && !host.is_writing(b.key) {
+                Some(Tier::Remote)
+            } else {
+                None
+            };
+            if let Some(from) = from {
                 let parent = i.checked_sub(1).map(|p| blocks[p].key);
                 match host.reserve(ns, b.key, parent) {
                     Ok(Reservation::Writer(writer)) => {
                         promote.push(Promotion {
                             slot: b.slot,
+                            key: b.key,
                             page_offset: writer.layer_range(0)?.0,
-                            writer,
+                            writer: Some(writer),
+                            from,
                         });
                         continue;
                     }
@@ -313,25 +332,50 @@ impl LoadQueue {
             missing,
             workers: self.core.handle(),
         };
-        match store.disk() {
-            Some(disk) if !promote.is_empty() => {
-                let plan = ChunkPlan::new(promote.len(), 1, 1, 1);
-                self.core.launch_io(Arc::new(PromoteJob {
-                    core: JobCore::new(plan, parts),
-                    reads: self.gate.reads(promote.len()),
-                    disk: disk.clone(),
-                    host: host.clone(),
-                    ns,
-                    failed: promote.iter().map(|_| AtomicBool::new(false)).collect(),
-                    targets: promote.iter().map(|p| (p.writer.key(), p.page_offset)).collect(),
-                    promote: Mutex::new(promote),
-                    ready: Mutex::new(ready),
-                    request: Mutex::new(Some(request)),
-                }));
-            }
-            _ => self
-                .core
-                .launch(Arc::new(LoadJob::new(request, ready, None, parts))),
+        if promote.is_empty() {
+            self.core
+                .launch(Arc::new(LoadJob::new(request, ready, None, parts)));
+        } else {
+            // Every remote block's fetch starts now, all in flight together, each verified into
+            // its page as it arrives; the I/O workers take the pages back in order.
+            let remote_writers: Vec<PageWriter> = promote
+                .iter_mut()
+                .filter(|p| p.from == Tier::Remote)
+                .filter_map(|p| p.writer.take())
+                .collect();
+            let remote_reads = match store.remote() {
+                Some(r) if !remote_writers.is_empty() => Some(r.start_reads(ns, remote_writers)),
+                _ => None,
+            };
+            let mut next_remote = 0;
+            let targets = promote
+                .iter()
+                .map(|p| {
+                    let source = match p.from {
+                        Tier::Remote => {
+                            next_remote += 1;
+                            Source::Remote(next_remote - 1)
+                        }
+                        _ => Source::Disk,
+                    };
+                    (p.key, p.page_offset, source)
+                })
+                .collect();
+            let disk_reads = promote.iter().filter(|p| p.from == Tier::Disk).count();
+            let plan = ChunkPlan::new(promote.len(), 1, 1, 1);
+            self.core.launch_io(Arc::new(PromoteJob {
+                core: JobCore::new(plan, parts),
+                reads: self.gate.reads(disk_reads),
+                disk: store.disk().cloned(),
+                remote: remote_reads,
+                host: host.clone(),
+                ns,
+                failed: promote.iter().map(|_| AtomicBool::new(false)).collect(),
+                targets,
+                promote: Mutex::new(promote),
+                ready: Mutex::new(ready),
+                request: Mutex::new(Some(request)),
+            }));
         }
         Ok(handle)
     }
@@ -352,12 +396,24 @@ impl LoadQueue {
     }
 }
 
-/// A block on its way from disk into a reserved host page.
+/// A block on its way from disk or the remote tier into a reserved host page.
 #[derive(Debug)]
 struct Promotion {
     slot: u32,
+    key: BlockKey,
     page_offset: usize,
-    writer: PageWriter,
+    /// The reserved page; lent to the remote read while it runs (`None` then).
+    writer: Option<PageWriter>,
+    /// [`Tier::Disk`] or [`Tier::Remote`].
+    from: Tier,
+}
+
+/// Where a promoted block's bytes come from.
+#[derive(Debug, Clone, Copy)]
+enum Source {
+    Disk,
+    /// The block's index among the load's remote reads.
+    Remote(usize),
 }
 
 /// What every phase of one load needs.
@@ -374,18 +430,20 @@ struct LoadRequest {
     workers: WorkerHandle,
 }
 
-/// Phase 1 of a load with blocks only on disk: one disk read per chunk into reserved host
-/// pages; then the pages are published and the device copies queued.
+/// Phase 1 of a load with blocks only on disk or in the remote tier: one read per chunk into
+/// reserved host pages; then the pages are published and the device copies queued.
 #[derive(Debug)]
 struct PromoteJob {
     core: JobCore,
-    /// Counted by the disk I/O gate, so disk writes wait for these reads.
+    /// The disk reads, counted by the disk I/O gate, so disk writes wait for them.
     reads: PendingReads,
-    disk: DiskTier,
+    disk: Option<DiskTier>,
+    /// The remote fetches, started when the load was submitted.
+    remote: Option<RemoteReads>,
     host: HostTier,
     ns: NamespaceFingerprint,
-    /// (key, host page offset) per block to read.
-    targets: Vec<(BlockKey, usize)>,
+    /// (key, host page offset, source) per block to read.
+    targets: Vec<(BlockKey, usize, Source)>,
     failed: Vec<AtomicBool>,
     promote: Mutex<Vec<Promotion>>,
     ready: Mutex<Vec<(u32, PinnedPage)>>,
@@ -403,16 +461,30 @@ impl ChunkedJob for PromoteJob {
         let last = self.core.run_chunk(
             chunk,
             |b, _| {
-                let (key, page_offset) = self.targets[b];
+                let (key, page_offset, source) = self.targets[b];
+                let read = match (source, &self.disk, &self.remote) {
+                    (Source::Disk, Some(disk), _) => {
+                        let r = disk.read_into(self.ns, key, region, page_offset);
+                        self.reads.one_done();
+                        r
+                    }
+                    (Source::Remote(i), _, Some(remote)) => match remote.wait(i) {
+                        Some((writer, r)) => {
+                            lock(&self.promote)[b].writer = Some(writer);
+                            r
+                        }
+                        None => Err(StoreError::NotFound { key, tier: "remote" }),
+                    },
+                    _ => Err(StoreError::NotFound { key, tier: "disk" }),
+                };
                 // A block that fails is reported missing; the others still load.
-                if self.disk.read_into(self.ns, key, region, page_offset).is_err() {
+                if read.is_err() {
                     self.failed[b].store(true, Ordering::Release);
                 }
                 Ok(())
             },
             |_| {},
         );
-        self.reads.one_done();
         if last {
             self.finish();
         }
@@ -436,26 +508,38 @@ impl ChunkedJob for PromoteJob {
             return;
         }
         let mut failed = Vec::new();
-        let mut read = 0u64;
+        let (mut read, mut fetched, mut disk_failed) = (0u64, 0u64, 0u64);
         // Suffix first, so eviction policies see prefixes as younger.
         for (i, p) in promote.into_iter().enumerate().rev() {
-            if self.failed[i].load(Ordering::Acquire) {
-                failed.push(p.writer.key());
-            } else {
-                read += 1;
-                ready.push((p.slot, p.writer.commit_pinned()));
+            match p.writer {
+                Some(writer) if !self.failed[i].load(Ordering::Acquire) => {
+                    match p.from {
+                        Tier::Remote => fetched += 1,
+                        _ => read += 1,
+                    }
+                    ready.push((p.slot, writer.commit_pinned()));
+                }
+                _ => {
+                    disk_failed += u64::from(p.from == Tier::Disk);
+                    failed.push(p.key);
+                }
             }
         }
         let geometry_bytes = self.host.geometry().bytes_per_block() as u64;
         let c = &request.counters;
         c.disk_blocks.fetch_add(read, Ordering::Relaxed);
-        c.disk_failed_blocks
-            .fetch_add(failed.len() as u64, Ordering::Relaxed);
+        c.disk_failed_blocks.fetch_add(disk_failed, Ordering::Relaxed);
+        // The phase's busy time, shared between the two routes by blocks.
+        let busy = self.core.busy_ns();
+        let remote_busy = busy * fetched / (read + fetched).max(1);
+        request
+            .routes
+            .add(Route::DiskToHost, read, read * geometry_bytes, busy - remote_busy);
         request.routes.add(
-            Route::DiskToHost,
-            read,
-            read * geometry_bytes,
-            self.core.busy_ns(),
+            Route::RemoteToHost,
+            fetched,
+            fetched * geometry_bytes,
+            remote_busy,
         );
         if !failed.is_empty() {
             failed.reverse();
@@ -463,14 +547,26 @@ impl ChunkedJob for PromoteJob {
             request.missing.extend(failed);
         }
         let workers = request.workers.clone();
-        let disk = (read > 0).then(|| (read as usize, self.core.own_timing()));
+        let promoted = Promoted {
+            disk_blocks: read as usize,
+            remote_blocks: fetched as usize,
+            timing: self.core.own_timing(),
+        };
         workers.launch_first(Arc::new(LoadJob::new(
             request,
             ready,
-            disk,
+            Some(promoted),
             self.core.continuation(),
         )));
     }
+}
+
+/// What the promotion phase of a load moved into host pages, and when.
+#[derive(Debug, Clone, Copy)]
+struct Promoted {
+    disk_blocks: usize,
+    remote_blocks: usize,
+    timing: TransferTiming,
 }
 
 #[derive(Debug)]
@@ -487,8 +583,8 @@ struct LoadJob {
     /// (device slot, host page offset) per block.
     copies: Vec<(u32, usize)>,
     pins: Mutex<Vec<PinnedPage>>,
-    /// Blocks read from disk first, and when.
-    disk: Option<(usize, TransferTiming)>,
+    /// Blocks read from disk or fetched from the remote tier first, and when.
+    promoted: Option<Promoted>,
     progress: Mutex<LayerProgress>,
     bytes: u64,
 }
@@ -497,7 +593,7 @@ impl LoadJob {
     fn new(
         request: LoadRequest,
         ready: Vec<(u32, PinnedPage)>,
-        disk: Option<(usize, TransferTiming)>,
+        promoted: Option<Promoted>,
         parts: Continuation,
     ) -> Self {
         let geometry = *request.host.geometry();
@@ -516,7 +612,7 @@ impl LoadJob {
             bytes: (copies.len() * geometry.bytes_per_block()) as u64,
             copies,
             pins: Mutex::new(ready.into_iter().map(|(_, p)| p).collect()),
-            disk,
+            promoted,
             progress: Mutex::new(LayerProgress {
                 done: vec![false; geometry.layers() as usize],
                 next: 0,
@@ -580,11 +676,13 @@ impl ChunkedJob for LoadJob {
         }
         let result = outcome.map(|()| LoadReport {
             loaded_blocks: self.copies.len(),
-            disk_blocks: self.disk.map_or(0, |d| d.0),
+            disk_blocks: self.promoted.map_or(0, |p| p.disk_blocks),
+            remote_blocks: self.promoted.map_or(0, |p| p.remote_blocks),
             missing: self.request.missing.clone(),
             bytes: self.bytes,
             timing,
-            disk_timing: self.disk.map(|d| d.1),
+            disk_timing: self.promoted.filter(|p| p.disk_blocks > 0).map(|p| p.timing),
+            remote_timing: self.promoted.filter(|p| p.remote_blocks > 0).map(|p| p.timing),
         });
         self.request.events.send(LoadEvent::Done(result));
     }

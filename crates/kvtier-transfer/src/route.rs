@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Serialize;
 
-/// The four ways a block moves between tiers.
+/// The ways a block moves between tiers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Route {
@@ -17,15 +17,22 @@ pub enum Route {
     DiskToHost,
     /// Host page → disk entry (persistence under the write policy).
     HostToDisk,
+    /// Remote value → host page (a load of a block only in the remote tier).
+    RemoteToHost,
+    /// Host page → remote value (write-behind under the remote write policy; counted by the
+    /// remote tier itself, see [`RouteStats::host_to_remote`]).
+    HostToRemote,
 }
 
 impl Route {
     /// Every route, in a fixed order.
-    pub const ALL: [Route; 4] = [
+    pub const ALL: [Route; 6] = [
         Route::HostToDevice,
         Route::DeviceToHost,
         Route::DiskToHost,
         Route::HostToDisk,
+        Route::RemoteToHost,
+        Route::HostToRemote,
     ];
 
     /// The metric label (`host_to_device`, …).
@@ -35,6 +42,8 @@ impl Route {
             Route::DeviceToHost => "device_to_host",
             Route::DiskToHost => "disk_to_host",
             Route::HostToDisk => "host_to_disk",
+            Route::RemoteToHost => "remote_to_host",
+            Route::HostToRemote => "host_to_remote",
         }
     }
 
@@ -44,6 +53,8 @@ impl Route {
             Route::DeviceToHost => 1,
             Route::DiskToHost => 2,
             Route::HostToDisk => 3,
+            Route::RemoteToHost => 4,
+            Route::HostToRemote => 5,
         }
     }
 }
@@ -70,9 +81,27 @@ pub struct RouteStats {
     pub disk_to_host: RouteFigures,
     /// Host → disk.
     pub host_to_disk: RouteFigures,
+    /// Remote → host.
+    pub remote_to_host: RouteFigures,
+    /// Host → remote: the queues do not write to the remote tier (its own write-behind
+    /// does), so this is zero until [`RouteStats::with_remote`] fills it from the remote
+    /// tier's counters.
+    pub host_to_remote: RouteFigures,
 }
 
 impl RouteStats {
+    /// These figures with `host_to_remote` taken from the remote tier's counters (if any).
+    pub fn with_remote(mut self, remote: Option<&kvtier_store::RemoteTierStats>) -> Self {
+        if let Some(r) = remote {
+            self.host_to_remote = RouteFigures {
+                blocks_total: r.written_blocks_total,
+                bytes_total: r.written_bytes_total,
+                busy_ns_total: r.write_busy_ns_total,
+            };
+        }
+        self
+    }
+
     /// The figures of `route`.
     pub fn get(&self, route: Route) -> RouteFigures {
         match route {
@@ -80,6 +109,8 @@ impl RouteStats {
             Route::DeviceToHost => self.device_to_host,
             Route::DiskToHost => self.disk_to_host,
             Route::HostToDisk => self.host_to_disk,
+            Route::RemoteToHost => self.remote_to_host,
+            Route::HostToRemote => self.host_to_remote,
         }
     }
 }
@@ -87,7 +118,7 @@ impl RouteStats {
 /// Route counters shared by both queues.
 #[derive(Debug, Default)]
 pub(crate) struct Routes {
-    counters: [[AtomicU64; 3]; 4],
+    counters: [[AtomicU64; 3]; 6],
 }
 
 impl Routes {
@@ -112,6 +143,8 @@ impl Routes {
             device_to_host: f(Route::DeviceToHost),
             disk_to_host: f(Route::DiskToHost),
             host_to_disk: f(Route::HostToDisk),
+            remote_to_host: f(Route::RemoteToHost),
+            host_to_remote: f(Route::HostToRemote),
         }
     }
 }

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use kvtier_core::{BlockKey, NamespaceFingerprint};
 use kvtier_store::{
-    Appended, DiskTier, HostTier, PageWriter, PinnedPage, Reservation, StoreError, TieredStore, WritePolicy,
+    Appended, DiskTier, HostTier, PageWriter, PinnedPage, RemoteTier, Reservation, StoreError, TieredStore,
+    WritePolicy,
 };
 
 use crate::disk_io_gate::DiskIoGate;
@@ -315,6 +316,7 @@ impl StoreQueue {
                 .clone()
                 .or_else(|| store.persists_on_store().then(|| store.disk().cloned()).flatten()),
             durable: durable_to.is_some(),
+            remote_to: store.remote_on_store().cloned(),
             held: Mutex::new(held),
             layer_bytes: geometry.bytes_per_block_layer(),
             bytes: (copies.len() * geometry.bytes_per_block()) as u64,
@@ -415,6 +417,8 @@ struct StoreJob {
     ns: NamespaceFingerprint,
     /// The disk to write the blocks to afterwards (write policy `all`, or a durable store).
     persist_to: Option<DiskTier>,
+    /// The remote tier to write the new blocks to behind the store (its policy `all`).
+    remote_to: Option<RemoteTier>,
     /// A [`Durability::Disk`] store: sync after writing, report which blocks are durable.
     durable: bool,
     /// Pages the host tier already held that a durable store writes too.
@@ -501,16 +505,23 @@ impl ChunkedJob for StoreJob {
             .add(Route::DeviceToHost, blocks, self.bytes, self.core.busy_ns());
         // Suffix first: eviction policies see a sequence's later blocks as older than its
         // earlier ones, so they leave in suffix-to-prefix order.
-        let persist = match &self.persist_to {
-            Some(disk) => {
-                let mut pins: Vec<PinnedPage> =
-                    writers.into_iter().rev().map(PageWriter::commit_pinned).collect();
-                pins.extend(held);
-                Some((disk.clone(), pins))
-            }
-            None => {
+        let persist = match (&self.persist_to, &self.remote_to) {
+            (None, None) => {
                 writers.into_iter().rev().for_each(PageWriter::commit);
                 None
+            }
+            (disk, remote) => {
+                let mut pins: Vec<PinnedPage> =
+                    writers.into_iter().rev().map(PageWriter::commit_pinned).collect();
+                if let Some(remote) = remote {
+                    // The blocks this store wrote (not those the host already held); drops
+                    // are counted by the remote tier and never delay this reply.
+                    for p in &pins {
+                        let _ = remote.write_behind(self.ns, p.clone());
+                    }
+                }
+                pins.extend(held);
+                disk.as_ref().map(|d| (d.clone(), pins))
             }
         };
         // The disk job exists (its blocks counted as pending disk writes) before the requester

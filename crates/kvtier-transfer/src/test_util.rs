@@ -42,6 +42,38 @@ pub fn keys_in(ns: NamespaceFingerprint, n: usize, seed: u32, block_tokens: u32)
     BlockHasher::new(ns, block_tokens).keys(&tokens)
 }
 
+/// Writes [`kv`] of each key into `pool`'s slots `first_slot..`, as a forward pass would.
+pub fn write_kv_slots(pool: &CpuDevicePool, keys: &[BlockKey], first_slot: u32) {
+    let g = *DevicePool::geometry(pool);
+    for (i, &k) in keys.iter().enumerate() {
+        for layer in 0..g.layers() {
+            pool.write_slot_layer(
+                first_slot + i as u32,
+                layer,
+                &kv(k, layer, g.bytes_per_block_layer()),
+            )
+            .unwrap();
+        }
+    }
+}
+
+/// The first (slot, layer) of `pool` from `first_slot` whose bytes are not [`kv`] of its key.
+pub fn first_wrong_kv_slot(pool: &CpuDevicePool, keys: &[BlockKey], first_slot: u32) -> Option<(u32, u32)> {
+    let g = *DevicePool::geometry(pool);
+    let bl = g.bytes_per_block_layer();
+    let mut buf = vec![0u8; bl];
+    for (i, &k) in keys.iter().enumerate() {
+        for layer in 0..g.layers() {
+            let slot = first_slot + i as u32;
+            pool.read_slot_layer(slot, layer, &mut buf).unwrap();
+            if buf != kv(k, layer, bl) {
+                return Some((slot, layer));
+            }
+        }
+    }
+    None
+}
+
 /// Store blocks for `keys` as one sequence in slots `first_slot..`.
 pub fn chain_blocks(keys: &[BlockKey], first_slot: u32) -> Vec<StoreBlock> {
     keys.iter()
@@ -126,30 +158,12 @@ impl Rig {
 
     /// Writes [`kv`] of each key into slots `first_slot..`, as a forward pass would.
     pub fn write_slots(&self, keys: &[BlockKey], first_slot: u32) {
-        let bl = self.geometry.bytes_per_block_layer();
-        for (i, &k) in keys.iter().enumerate() {
-            for layer in 0..self.geometry.layers() {
-                self.pool
-                    .write_slot_layer(first_slot + i as u32, layer, &kv(k, layer, bl))
-                    .unwrap();
-            }
-        }
+        write_kv_slots(&self.pool, keys, first_slot);
     }
 
     /// The first slot from `first_slot` whose bytes are not [`kv`] of its key, if any.
     pub fn first_wrong_slot(&self, keys: &[BlockKey], first_slot: u32) -> Option<(u32, u32)> {
-        let bl = self.geometry.bytes_per_block_layer();
-        let mut buf = vec![0u8; bl];
-        for (i, &k) in keys.iter().enumerate() {
-            for layer in 0..self.geometry.layers() {
-                let slot = first_slot + i as u32;
-                self.pool.read_slot_layer(slot, layer, &mut buf).unwrap();
-                if buf != kv(k, layer, bl) {
-                    return Some((slot, layer));
-                }
-            }
-        }
-        None
+        first_wrong_kv_slot(&self.pool, keys, first_slot)
     }
 
     /// Panics unless slots `first_slot..` hold exactly [`kv`] of `keys`.

@@ -124,8 +124,8 @@ impl TransferQueues {
         self.routes.snapshot()
     }
 
-    /// [`TieredStore::match_prefix`], then queues the disk writes of the blocks the match
-    /// admitted (write-through). A full store queue drops those writes (counted).
+    /// [`TieredStore::match_prefix`], then queues the disk and remote writes of the blocks the
+    /// match admitted (write-through). A full queue drops those writes (counted).
     pub fn match_prefix(
         &self,
         store: &TieredStore,
@@ -137,6 +137,10 @@ impl TransferQueues {
             && let Err(e) = self.store.persist(store, ns, &m.admitted)
         {
             tracing::debug!(error = %e, blocks = m.admitted.len(), "write-through dropped");
+        }
+        if !m.admitted_remote.is_empty() {
+            // Drops (full queue, cluster down) are counted by the remote tier.
+            store.write_remote(ns, &m.admitted_remote);
         }
         m
     }

@@ -2,8 +2,9 @@
 //! catches the fault it is about.
 
 use kvtier_core::{BlockKey, NamespaceFingerprint};
+use kvtier_store::test_cluster::TestCluster;
 use kvtier_store::{EvictionKind, PinnedPage, TieredStore, WritePolicy};
-use kvtier_transfer::conformance::{self, HostOnly, HostOverDisk, TierSubject};
+use kvtier_transfer::conformance::{self, HostOnly, HostOverDisk, HostOverRemote, TierSubject};
 
 /// A disk subject in a fresh directory that lives as long as the subject.
 #[derive(Debug)]
@@ -62,6 +63,25 @@ fn host_over_disk_write_through_conforms() {
 #[test]
 fn host_over_disk_all_conforms() {
     assert_conforms(|| disk(WritePolicy::All));
+}
+
+/// The remote tier on a real cluster (scripts/redis_cluster.sh), under both write policies;
+/// each check's subject has a key prefix of its own, so it starts empty.
+#[test]
+fn host_over_remote_conforms() {
+    let cluster = TestCluster::start(&[]);
+    let n = std::sync::atomic::AtomicU32::new(0);
+    for policy in [WritePolicy::All, WritePolicy::WriteThrough] {
+        assert_conforms(|| HostOverRemote {
+            nodes: cluster.nodes().to_vec(),
+            key_prefix: format!(
+                "conformance-{}-{}",
+                std::process::id(),
+                n.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            ),
+            policy,
+        });
+    }
 }
 
 /// A subject that breaks one rule of the contract.

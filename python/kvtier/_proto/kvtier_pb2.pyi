@@ -22,6 +22,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_DEVICE: _ClassVar[Tier]
     TIER_HOST: _ClassVar[Tier]
     TIER_DISK: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
 DTYPE_UNSPECIFIED: Dtype
 DTYPE_F32: Dtype
 DTYPE_F16: Dtype
@@ -32,6 +33,7 @@ TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_HOST: Tier
 TIER_DISK: Tier
+TIER_REMOTE: Tier
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("client_name",)
@@ -130,7 +132,7 @@ class MatchRequest(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., pool_id: _Optional[int] = ..., cache_salt: _Optional[str] = ..., keys: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
-    __slots__ = ("tiers", "device_slots", "keys", "matched_tokens", "device_tokens", "host_tokens", "disk_tokens")
+    __slots__ = ("tiers", "device_slots", "keys", "matched_tokens", "device_tokens", "host_tokens", "disk_tokens", "remote_tokens")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +140,7 @@ class MatchResponse(_message.Message):
     DEVICE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     device_slots: _containers.RepeatedScalarFieldContainer[int]
     keys: bytes
@@ -145,7 +148,8 @@ class MatchResponse(_message.Message):
     device_tokens: int
     host_tokens: int
     disk_tokens: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., device_slots: _Optional[_Iterable[int]] = ..., keys: _Optional[bytes] = ..., matched_tokens: _Optional[int] = ..., device_tokens: _Optional[int] = ..., host_tokens: _Optional[int] = ..., disk_tokens: _Optional[int] = ...) -> None: ...
+    remote_tokens: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., device_slots: _Optional[_Iterable[int]] = ..., keys: _Optional[bytes] = ..., matched_tokens: _Optional[int] = ..., device_tokens: _Optional[int] = ..., host_tokens: _Optional[int] = ..., disk_tokens: _Optional[int] = ..., remote_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("session_id", "pool_id", "cache_salt", "keys", "slots", "deadline_ms", "layer_event_stride", "done_only")
@@ -202,18 +206,20 @@ class TransferTiming(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., latency_us: _Optional[int] = ..., span_us: _Optional[int] = ..., active_us: _Optional[int] = ...) -> None: ...
 
 class LoadDone(_message.Message):
-    __slots__ = ("loaded_blocks", "disk_blocks", "missing", "bytes", "timing")
+    __slots__ = ("loaded_blocks", "disk_blocks", "missing", "bytes", "timing", "remote_blocks")
     LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     loaded_blocks: int
     disk_blocks: int
     missing: bytes
     bytes: int
     timing: TransferTiming
-    def __init__(self, loaded_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., missing: _Optional[bytes] = ..., bytes: _Optional[int] = ..., timing: _Optional[_Union[TransferTiming, _Mapping]] = ...) -> None: ...
+    remote_blocks: int
+    def __init__(self, loaded_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., missing: _Optional[bytes] = ..., bytes: _Optional[int] = ..., timing: _Optional[_Union[TransferTiming, _Mapping]] = ..., remote_blocks: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
     __slots__ = ("session_id", "pool_id", "cache_salt", "keys", "slots", "parent", "durable")
@@ -342,14 +348,16 @@ class ClearRequest(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., pool_id: _Optional[int] = ..., cache_salt: _Optional[str] = ..., all: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class ClearResponse(_message.Message):
-    __slots__ = ("host_blocks", "disk_blocks", "kept_pinned")
+    __slots__ = ("host_blocks", "disk_blocks", "kept_pinned", "remote_blocks")
     HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KEPT_PINNED_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     host_blocks: int
     disk_blocks: int
     kept_pinned: int
-    def __init__(self, host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., kept_pinned: _Optional[int] = ...) -> None: ...
+    remote_blocks: int
+    def __init__(self, host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., kept_pinned: _Optional[int] = ..., remote_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -1,4 +1,5 @@
-//! A secret setting (the bearer token): never printed, never logged.
+//! A secret setting (the sidecar's bearer token, the remote tier's password): never printed,
+//! never logged.
 
 use std::fmt;
 
@@ -48,8 +49,8 @@ impl<'de> Deserialize<'de> for Secret {
         let s = String::deserialize(d)?;
         if s == REDACTED {
             return Err(serde::de::Error::custom(
-                "this is the placeholder --print-config prints, not a token: give the token itself, \
-                 or server.auth_token_file, or KVTIER_SERVER__AUTH_TOKEN",
+                "this is the placeholder --print-config prints, not a secret: give the value itself \
+                 (or, for the bearer token, server.auth_token_file or KVTIER_SERVER__AUTH_TOKEN)",
             ));
         }
         Ok(Self(s))

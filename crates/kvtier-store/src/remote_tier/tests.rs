@@ -1,0 +1,240 @@
+//! The remote tier against a real Redis Cluster (scripts/redis_cluster.sh).
+
+use kvtier_core::{BlockHasher, ByteSize, Dtype};
+
+use super::*;
+use crate::test_cluster::TestCluster;
+use crate::{HostTier, HostTierConfig, Reservation};
+
+const NS: NamespaceFingerprint = NamespaceFingerprint(0xfeed);
+const OTHER: NamespaceFingerprint = NamespaceFingerprint(0xbeef);
+
+fn geo() -> KvGeometry {
+    // 2 layers of 2 × 16 tokens × 2 heads × 64 dims × 2 bytes = 8 KiB per block-layer.
+    KvGeometry::new(2, 2, 64, Dtype::Bf16, 16).unwrap()
+}
+
+fn host() -> HostTier {
+    HostTier::new(
+        geo(),
+        &HostTierConfig {
+            capacity: ByteSize::mib(4),
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+fn keys(n: usize, seed: u32) -> Vec<BlockKey> {
+    let tokens: Vec<u32> = (0..n as u32 * 16)
+        .map(|t| t.wrapping_mul(31).wrapping_add(seed))
+        .collect();
+    BlockHasher::new(NS, 16).keys(&tokens)
+}
+
+fn bytes_of(key: BlockKey) -> Vec<u8> {
+    let len = geo().bytes_per_block();
+    (0..len)
+        .map(|i| ((key.0 >> (i % 97)) as u8) ^ (i as u8))
+        .collect()
+}
+
+/// Stores each key's bytes in host memory and returns pins on them.
+fn stored(host: &HostTier, ns: NamespaceFingerprint, keys: &[BlockKey]) -> Vec<PinnedPage> {
+    let bl = geo().bytes_per_block_layer();
+    keys.iter()
+        .map(|&k| {
+            let Ok(Reservation::Writer(w)) = host.reserve(ns, k, None) else {
+                panic!("reserve {k}")
+            };
+            let b = bytes_of(k);
+            for layer in 0..2 {
+                w.write_layer(layer, &b[layer as usize * bl..(layer as usize + 1) * bl])
+                    .unwrap();
+            }
+            w.commit_pinned()
+        })
+        .collect()
+}
+
+fn config(nodes: &[String]) -> RemoteTierConfig {
+    RemoteTierConfig {
+        nodes: nodes.to_vec(),
+        key_prefix: format!("kvtier-test-{}", std::process::id()),
+        ..Default::default()
+    }
+}
+
+/// Reads `keys` through a fresh host page each; what each read returned.
+fn read_back(
+    remote: &RemoteTier,
+    ns: NamespaceFingerprint,
+    keys: &[BlockKey],
+) -> Vec<Result<Vec<u8>, StoreError>> {
+    let fresh = host();
+    let writers = keys
+        .iter()
+        .map(|&k| match fresh.reserve(ns, k, None) {
+            Ok(Reservation::Writer(w)) => w,
+            _ => panic!("reserve {k}"),
+        })
+        .collect();
+    let reads = remote.start_reads(ns, writers);
+    (0..keys.len())
+        .map(|i| {
+            let (w, r) = reads.wait(i).expect("the page back");
+            assert_eq!(w.key(), keys[i]);
+            r?;
+            let mut out = vec![0u8; geo().bytes_per_block()];
+            fresh
+                .region()
+                .read(w.layer_range(0).unwrap().0, &mut out)
+                .unwrap();
+            Ok(out)
+        })
+        .collect()
+}
+
+#[test]
+fn blocks_round_trip_bit_exact_and_every_fault_is_a_counted_miss() {
+    let cluster = TestCluster::start(&[]);
+    let remote = RemoteTier::open(geo(), &config(cluster.nodes())).unwrap();
+    assert!(remote.connected());
+    let h = host();
+    let ks = keys(12, 1);
+    for p in stored(&h, NS, &ks) {
+        remote.write_behind(NS, p).unwrap();
+    }
+    assert!(remote.flush(Duration::from_secs(20)));
+    let s = remote.stats();
+    assert_eq!((s.written_blocks_total, s.pending_writes), (12, 0));
+    assert_eq!(h.stats().pinned_pages, 0, "written pages are unpinned");
+
+    // Found as a run; a gap ends it; another namespace finds nothing.
+    assert_eq!(remote.match_run(NS, &ks), 12);
+    let mut gap = ks.clone();
+    gap.insert(5, BlockKey(42));
+    assert_eq!(remote.match_run(NS, &gap), 5);
+    assert_eq!(remote.match_run(OTHER, &ks), 0);
+
+    // Bit-exact into fresh host pages.
+    for (k, got) in ks.iter().zip(read_back(&remote, NS, &ks)) {
+        assert_eq!(got.unwrap(), bytes_of(*k), "block {k}");
+    }
+    assert!(matches!(
+        read_back(&remote, OTHER, &ks[..1]).pop().unwrap(),
+        Err(StoreError::NotFound { tier: "remote", .. })
+    ));
+
+    // Another writer's garbage under a kvtier key, and a value of another block copied over
+    // this one: both misses, counted as corrupt, never served.
+    let name0 = remote_key(&remote.config().key_prefix, NS, ks[0]);
+    let name1 = remote_key(&remote.config().key_prefix, NS, ks[1]);
+    cluster.cli(&["SET", &name0, "not a kv block"]);
+    let v2 = crate::remote_value::encode_value(NS, ks[2], &bytes_of(ks[2]));
+    let dump = cluster.cli(&[
+        "--no-raw",
+        "DUMP",
+        &remote_key(&remote.config().key_prefix, NS, ks[2]),
+    ]);
+    assert!(!dump.is_empty());
+    {
+        // Write the other block's value under block 1's key with a client of our own.
+        let client =
+            redis::cluster::ClusterClient::new(cluster.nodes().iter().map(|n| format!("redis://{n}")))
+                .unwrap();
+        let mut c = client.get_connection().unwrap();
+        redis::cmd("SET").arg(&name1).arg(v2).query::<()>(&mut c).unwrap();
+    }
+    let before = remote.stats().corrupt_total;
+    let got = read_back(&remote, NS, &ks[..3]);
+    assert!(
+        matches!(got[0], Err(StoreError::CorruptBlock { .. })),
+        "{:?}",
+        got[0].as_ref().err()
+    );
+    assert!(
+        matches!(got[1], Err(StoreError::CorruptBlock { .. })),
+        "{:?}",
+        got[1].as_ref().err()
+    );
+    assert_eq!(got[2].as_ref().unwrap(), &bytes_of(ks[2]));
+    assert_eq!(remote.stats().corrupt_total, before + 2);
+
+    // Clear by namespace removes this namespace's blocks and nothing else.
+    let other_keys = keys(3, 99);
+    for p in stored(&h, OTHER, &other_keys) {
+        remote.write_behind(OTHER, p).unwrap();
+    }
+    assert!(remote.flush(Duration::from_secs(20)));
+    assert_eq!(remote.clear(Some(NS)).unwrap(), 12);
+    assert_eq!(remote.match_run(NS, &ks), 0);
+    assert_eq!(remote.match_run(OTHER, &other_keys), 3);
+    assert_eq!(remote.clear(None).unwrap(), 3);
+}
+
+#[test]
+fn a_cluster_down_at_start_is_served_without_and_wrong_bad_config_is_named() {
+    // Nothing listens on the port: the tier opens disconnected, misses and drops by reason.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    drop(listener);
+    let mut cfg = config(&[format!("127.0.0.1:{port}")]);
+    cfg.connect_timeout_ms = 300;
+    cfg.retry_ms = 100_000;
+    let remote = RemoteTier::open(geo(), &cfg).unwrap();
+    assert!(!remote.connected());
+    let h = host();
+    let ks = keys(2, 3);
+    assert_eq!(remote.match_run(NS, &ks), 0);
+    let p = stored(&h, NS, &ks[..1]).pop().unwrap();
+    assert_eq!(remote.write_behind(NS, p), Err(DropReason::Unavailable));
+    assert_eq!(remote.stats().dropped(DropReason::Unavailable), 1);
+    assert_eq!(h.stats().pinned_pages, 0);
+    assert!(matches!(
+        read_back(&remote, NS, &ks[1..]).pop().unwrap(),
+        Err(StoreError::NotFound { .. })
+    ));
+
+    for (cfg, needle) in [
+        (RemoteTierConfig::default(), "remote.nodes is empty"),
+        (config(&["localhost".into()]), "is not host:port"),
+        (
+            RemoteTierConfig {
+                read_concurrency: 0,
+                ..config(&["h:1".into()])
+            },
+            "remote.read_concurrency = 0",
+        ),
+        (
+            RemoteTierConfig {
+                key_prefix: "a b".into(),
+                ..config(&["h:1".into()])
+            },
+            "remote.key_prefix",
+        ),
+    ] {
+        let e = RemoteTier::open(geo(), &cfg).unwrap_err().to_string();
+        assert!(e.contains(needle), "{e}");
+    }
+}
+
+#[test]
+fn wrong_credentials_are_an_error_at_start_and_right_ones_connect() {
+    let cluster = TestCluster::start(&["--password", "s3cret-pass"]);
+    let mut cfg = config(cluster.nodes());
+    cfg.password = Some(Secret::new("wrong"));
+    let e = RemoteTier::open(geo(), &cfg).unwrap_err();
+    assert!(matches!(e, StoreError::RemoteAuth { .. }), "{e}");
+    assert!(e.to_string().contains("remote.password"), "{e}");
+    cfg.password = Some(Secret::new("s3cret-pass"));
+    let remote = RemoteTier::open(geo(), &cfg).unwrap();
+    assert!(remote.connected());
+    let h = host();
+    let ks = keys(2, 5);
+    for p in stored(&h, NS, &ks) {
+        remote.write_behind(NS, p).unwrap();
+    }
+    assert!(remote.flush(Duration::from_secs(20)));
+    assert_eq!(remote.match_run(NS, &ks), 2);
+}

@@ -1,0 +1,84 @@
+//! A real Redis Cluster for tests (feature `test-util`): six `redis-server` processes on
+//! loopback started by the project's `scripts/redis_cluster.sh` (which installs Debian's
+//! redis-server if it is missing) and stopped by PID when the handle drops.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A running cluster of 3 masters + 3 replicas; stopped when dropped.
+#[derive(Debug)]
+pub struct TestCluster {
+    dir: tempfile::TempDir,
+    nodes: Vec<String>,
+}
+
+/// `scripts/redis_cluster.sh` of this repository.
+pub fn cluster_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/redis_cluster.sh")
+}
+
+impl TestCluster {
+    /// Starts a cluster (about 5 s); `args` go to the script (`--password P`, `--maxmemory M`).
+    ///
+    /// # Panics
+    /// If the script fails (its output says why): a test that needs the cluster cannot run
+    /// without it.
+    pub fn start(args: &[&str]) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("kvtier-redis-")
+            .tempdir()
+            .expect("a temporary directory");
+        let out = Command::new(cluster_script())
+            .arg("start")
+            .arg(dir.path())
+            .args(args)
+            .output()
+            .expect("run scripts/redis_cluster.sh");
+        assert!(
+            out.status.success(),
+            "scripts/redis_cluster.sh start failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let nodes = String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .split(',')
+            .map(str::to_owned)
+            .collect();
+        Self { dir, nodes }
+    }
+
+    /// The masters' `host:port`.
+    pub fn nodes(&self) -> &[String] {
+        &self.nodes
+    }
+
+    /// The PID of the node listening on `port`.
+    pub fn pid(&self, port: u16) -> Option<u32> {
+        std::fs::read_to_string(self.dir.path().join(format!("{port}.pid")))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    /// Runs `redis-cli -c -p <first master's port> args…` and returns its stdout.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let port = self.nodes[0].rsplit_once(':').map_or("0", |(_, p)| p);
+        let out = Command::new("redis-cli")
+            .args(["-c", "-p", port])
+            .args(args)
+            .output()
+            .expect("run redis-cli");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for TestCluster {
+    fn drop(&mut self) {
+        let _ = Command::new(cluster_script())
+            .arg("stop")
+            .arg(self.dir.path())
+            .status();
+    }
+}
