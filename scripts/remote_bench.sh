@@ -4,10 +4,15 @@
 # peer harness's two block sizes: 128 KiB (1 layer of the default 4 heads x 128 x bf16 x 64
 # tokens) and 6 MiB (48 layers).
 #
-# Usage: scripts/remote_bench.sh [path/to/kvtier] [-- extra bench flags]
+# Then the two-node demo: `kvtier bench serve --remote-nodes`, two engine + sidecar pairs on
+# the cluster; node B's TTFT for a 90% prefix node A computed (remote) next to B recomputing
+# it, B's own host tier and B's device cache.
+#
+# Usage: scripts/remote_bench.sh [path/to/kvtier] [-- extra offload bench flags]
 #   default: 128 KiB blocks, batches of 16 requests of 10,000 tokens (2,240 hit blocks,
 #            280 MiB per batch); 6 MiB blocks, batches of 2 requests of 2,048 tokens (56 hit
-#            blocks, 336 MiB per batch); 20 measured rounds each (~1 min on 2 cores).
+#            blocks, 336 MiB per batch); 20 measured rounds each; then the serving demo at
+#            batch 4 of 4,096-token prompts (~3 min on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=target/release/kvtier
@@ -24,3 +29,5 @@ echo "== 128 KiB blocks"
 "$bin" bench offload --tier remote --remote-nodes "$nodes" "$@"
 echo "== 6 MiB blocks"
 "$bin" bench offload --tier remote --remote-nodes "$nodes" --layers 48 --tokens 2048 --batch 2 "$@"
+echo "== two nodes sharing the cluster: node B serving a prefix node A computed"
+"$bin" bench serve --remote-nodes "$nodes" --scenarios recompute,remote,host,hbm

@@ -283,9 +283,14 @@ pub struct ServeBenchArgs {
     /// Batch sizes to sweep, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "4")]
     pub batch: Vec<usize>,
-    /// Scenarios, comma separated: recompute, host, disk, hbm.
+    /// Scenarios, comma separated: recompute, host, disk, hbm, remote (needs --remote-nodes).
     #[arg(long, value_delimiter = ',', default_value = "recompute,host,disk,hbm")]
     pub scenarios: Vec<kvtier_bench::Scenario>,
+    /// A Redis Cluster's nodes (host:port, comma separated): two nodes (engine + sidecar each)
+    /// share it as their remote tier, and the remote scenario measures node B serving a prefix
+    /// node A computed. scripts/remote_bench.sh starts a cluster and runs this.
+    #[arg(long, value_delimiter = ',')]
+    pub remote_nodes: Vec<String>,
     #[command(flatten)]
     pub block: BlockTokensFlag,
     /// Chunked-prefill budget of the engine it starts.
@@ -324,6 +329,7 @@ impl ServeBenchArgs {
             max_batch_tokens: self.max_batch_tokens,
             host_capacity: self.host_capacity,
             disk_capacity: self.disk_capacity,
+            remote_nodes: self.remote_nodes.clone(),
         }
     }
 }

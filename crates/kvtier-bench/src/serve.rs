@@ -1,6 +1,8 @@
 //! `kvtier bench serve`: a load generator against the engine's HTTP API, modeled on SGLang's
 //! `bench_serving`, comparing where a shared prompt prefix comes from: recomputed, loaded from
-//! kvtier's host tier, from its disk tier, or already resident in the engine's device memory.
+//! kvtier's host tier, from its disk tier, already resident in the engine's device memory, or
+//! (with a Redis Cluster, `remote_nodes`) computed by another node and fetched from the remote
+//! tier they share.
 //!
 //! Each run (scenario × batch size) warms the prefix as the scenario needs, then sends
 //! `num_prompts` requests of `input_len` tokens — the prefix (`hit_rate` of the prompt, whole
@@ -27,6 +29,9 @@ pub enum Scenario {
     Disk,
     /// The prefix is resident in the engine's device memory.
     Hbm,
+    /// Another node (engine + sidecar) computed the prefix; this node finds it only in the
+    /// remote tier both share.
+    Remote,
 }
 
 impl Scenario {
@@ -37,6 +42,7 @@ impl Scenario {
             Self::Host => "host",
             Self::Disk => "disk",
             Self::Hbm => "hbm",
+            Self::Remote => "remote",
         }
     }
 }
@@ -49,8 +55,9 @@ impl std::str::FromStr for Scenario {
             "host" => Ok(Self::Host),
             "disk" => Ok(Self::Disk),
             "hbm" => Ok(Self::Hbm),
+            "remote" => Ok(Self::Remote),
             other => Err(BenchError::InvalidConfig(format!(
-                "--scenarios: unknown scenario {other:?} (recompute, host, disk, hbm)"
+                "--scenarios: unknown scenario {other:?} (recompute, host, disk, hbm, remote)"
             ))),
         }
     }
@@ -91,6 +98,10 @@ pub struct ServeConfig {
     pub host_capacity: ByteSize,
     /// Its sidecar's disk tier.
     pub disk_capacity: ByteSize,
+    /// A Redis Cluster's nodes: the benchmark then starts two nodes (engine + sidecar each)
+    /// sharing it as their remote tier, and the `remote` scenario measures node B serving a
+    /// prefix node A computed. Empty: one node, no remote tier.
+    pub remote_nodes: Vec<String>,
 }
 
 impl Default for ServeConfig {
@@ -112,6 +123,7 @@ impl Default for ServeConfig {
             max_batch_tokens: 512,
             host_capacity: ByteSize::gib(2),
             disk_capacity: ByteSize::gib(4),
+            remote_nodes: Vec::new(),
         }
     }
 }
@@ -163,6 +175,13 @@ pub fn run_serve(
             config.request_rate
         )));
     }
+    if config.scenarios.contains(&Scenario::Remote)
+        && (config.remote_nodes.is_empty() || config.base_url.is_some())
+    {
+        return Err(err(
+            "the remote scenario needs --remote-nodes (a Redis Cluster; scripts/redis_cluster.sh starts one) and the embedded engines (no --base-url)",
+        ));
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("kvtier-bench-serve")
@@ -180,6 +199,7 @@ pub fn run_serve(
                 device_tokens: 0,
                 block_tokens: KvGeometry::DEFAULT_BLOCK_TOKENS as usize,
                 _embedded: None,
+                peer: None,
             };
             let health = rt.block_on(t.call("GET", "/health", None))?;
             let n = |k: &str| health[k].as_u64().unwrap_or(0) as usize;
@@ -193,7 +213,7 @@ pub fn run_serve(
     };
     let per_run_warm = |s: Scenario| match s {
         Scenario::Recompute => 0,
-        Scenario::Hbm | Scenario::Host => 1,
+        Scenario::Hbm | Scenario::Host | Scenario::Remote => 1,
         Scenario::Disk => 3,
     };
     let total: usize = config
@@ -272,6 +292,7 @@ mod tests {
                 // The first reader of a block reads it from disk; a concurrent one may find it
                 // already promoted to host memory.
                 Scenario::Disk => assert!(per == 80 && by_tier[2] >= 80, "{by_tier:?}"),
+                Scenario::Remote => unreachable!("not run without a cluster"),
             }
             if matches!(run.scenario, Scenario::Host | Scenario::Disk) {
                 assert!(
@@ -314,6 +335,32 @@ mod tests {
     }
 
     #[test]
+    fn a_prefix_computed_on_one_node_is_served_from_the_remote_tier_on_the_other() {
+        let cluster = kvtier_store::test_cluster::TestCluster::start(&[]);
+        let config = ServeConfig {
+            model: "tiny-moe".into(),
+            layers: None,
+            input_len: 100,
+            output_len: 4,
+            batches: vec![2],
+            scenarios: vec![Scenario::Recompute, Scenario::Remote],
+            block_tokens: 16,
+            host_capacity: ByteSize::mib(16),
+            disk_capacity: ByteSize::mib(64),
+            remote_nodes: cluster.nodes().to_vec(),
+            ..ServeConfig::default()
+        };
+        let r = run_serve(&config, &mut |_, _| {}).unwrap();
+        let remote = r.runs.iter().find(|r| r.scenario == Scenario::Remote).unwrap();
+        assert_eq!((remote.successful, remote.failed), (2, 0));
+        // The first request fetches the prefix from the remote tier; the second may find it
+        // already promoted into node B's host memory.
+        assert!(remote.cached_remote >= 80, "{remote:?}");
+        assert_eq!(remote.cached_tokens, 2 * 80);
+        assert!(r.table().iter().any(|l| l.starts_with("remote ")));
+    }
+
+    #[test]
     fn bad_parameters_are_named() {
         for (c, needle) in [
             (
@@ -350,6 +397,13 @@ mod tests {
                     ..ServeConfig::default()
                 },
                 "http://",
+            ),
+            (
+                ServeConfig {
+                    scenarios: vec![Scenario::Remote],
+                    ..ServeConfig::default()
+                },
+                "--remote-nodes",
             ),
         ] {
             let e = run_serve(&c, &mut |_, _| {}).unwrap_err().to_string();

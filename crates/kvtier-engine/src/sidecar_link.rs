@@ -429,8 +429,9 @@ impl SidecarLink {
         self.retry_at = Instant::now() + self.config.retry;
     }
 
-    /// The leading blocks of `keys` kvtier holds in host memory or on disk, [`Tier::Host`] or
-    /// [`Tier::Disk`] each (empty when down; the device cache is the engine's own).
+    /// The leading blocks of `keys` kvtier holds in host memory, on disk or in its remote tier,
+    /// [`Tier::Host`], [`Tier::Disk`] or [`Tier::Remote`] each (empty when down; the device
+    /// cache is the engine's own).
     pub fn match_prefix(&mut self, salt: &str, keys: &[BlockKey]) -> Vec<Tier> {
         let Some(conn) = &self.conn else {
             return Vec::new();
@@ -459,7 +460,7 @@ impl SidecarLink {
         match r {
             Ok(tiers) => tiers
                 .into_iter()
-                .take_while(|t| matches!(t, Tier::Host | Tier::Disk))
+                .take_while(|t| matches!(t, Tier::Host | Tier::Disk | Tier::Remote))
                 .collect(),
             Err(e) => {
                 self.drop_conn(&e);

@@ -23,13 +23,14 @@ const PANELS: [Panel; 2] = [
     },
 ];
 
-/// Bar colours by scenario: recompute red, host blue, disk orange, HBM green.
+/// Bar colours by scenario: recompute red, host blue, disk orange, HBM green, remote purple.
 fn color(s: Scenario) -> RGBColor {
     match s {
         Scenario::Recompute => RGBColor(0xd6, 0x27, 0x28),
         Scenario::Host => RGBColor(0x1f, 0x77, 0xb4),
         Scenario::Disk => RGBColor(0xff, 0x7f, 0x0e),
         Scenario::Hbm => RGBColor(0x2c, 0xa0, 0x2c),
+        Scenario::Remote => RGBColor(0x94, 0x67, 0xbd),
     }
 }
 

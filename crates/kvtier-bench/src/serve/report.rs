@@ -21,7 +21,7 @@ pub(super) struct RequestRecord {
     pub(super) prompt_tokens: usize,
     pub(super) completion_tokens: usize,
     pub(super) cached_tokens: usize,
-    pub(super) cached_by_tier: [usize; 3],
+    pub(super) cached_by_tier: [usize; 4],
     /// (start, end, bytes, active) of the load and of the stores, ms after arrival.
     pub(super) load: Option<(f64, f64, u64, f64)>,
     pub(super) store: Option<(f64, f64, u64, f64)>,
@@ -52,12 +52,14 @@ pub struct ServeRun {
     pub total_output_tokens: usize,
     /// Prompt tokens served from a cache (all requests).
     pub cached_tokens: usize,
-    /// Of those, by tier (device, host, disk).
+    /// Of those, by tier (device, host, disk, remote).
     pub cached_device: usize,
     /// From kvtier's host tier.
     pub cached_host: usize,
     /// From kvtier's disk tier.
     pub cached_disk: usize,
+    /// From kvtier's remote tier.
+    pub cached_remote: usize,
     /// Shared prefix length, tokens.
     pub prefix_tokens: usize,
     /// End-to-end latency, ms.
@@ -397,6 +399,7 @@ pub(super) fn summarize(
         cached_device: sum(&|r| r.cached_by_tier[0]),
         cached_host: sum(&|r| r.cached_by_tier[1]),
         cached_disk: sum(&|r| r.cached_by_tier[2]),
+        cached_remote: sum(&|r| r.cached_by_tier[3]),
         prefix_tokens,
         e2e_ms: Summary::of(&e2e),
         ttft_ms: Summary::of(&ttft),

@@ -52,12 +52,7 @@ pub(super) async fn run_one(
         ));
         p
     };
-    let warm = |i: u32| async move {
-        let body = json!({"prompt": prompt(900 + i), "max_tokens": 1, "temperature": 0, "ignore_eos": true});
-        let r = target.call("POST", "/v1/completions", Some(body)).await;
-        tick();
-        r
-    };
+    let warm = |i: u32| warm_request(target, prompt(900 + i), tick);
     match scenario {
         Scenario::Recompute => target.set_reuse("none").await?,
         Scenario::Hbm => {
@@ -95,6 +90,32 @@ pub(super) async fn run_one(
             target
                 .call("POST", "/kvtier/clear", Some(json!({"tier": "host"})))
                 .await?;
+        }
+        Scenario::Remote => {
+            let peer = target
+                .peer
+                .as_deref()
+                .ok_or_else(|| err("the remote scenario needs a second node (--remote-nodes)"))?;
+            // Node A computes the prefix; its sidecar writes it to the cluster behind the store.
+            let (before, _) = peer.remote_writes().await?;
+            peer.set_reuse("tiered").await?;
+            warm_request(peer, prompt(900), tick).await?;
+            let want = before + (prefix_tokens / bt) as u64;
+            let start = Instant::now();
+            loop {
+                let (written, pending) = peer.remote_writes().await?;
+                if written >= want && pending == 0 {
+                    break;
+                }
+                if start.elapsed() > Duration::from_secs(120) {
+                    return Err(err(format!(
+                        "node A's sidecar wrote {written} blocks to the remote tier, {want} expected ({pending} pending)"
+                    )));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            // Node B has it in no tier of its own: only the remote tier can serve it.
+            target.set_reuse("kvtier").await?;
         }
     }
     let num = config.num_prompts.unwrap_or(batch);
@@ -147,6 +168,18 @@ pub(super) async fn run_one(
     Ok(summarize(scenario, batch, num, config, prefix_tokens, &records))
 }
 
+/// One unmeasured request of `prompt` (one token generated) that leaves its prefix cached.
+async fn warm_request(
+    node: &Target,
+    prompt: Vec<u32>,
+    tick: &(dyn Fn() + Sync),
+) -> Result<Value, BenchError> {
+    let body = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": true});
+    let r = node.call("POST", "/v1/completions", Some(body)).await;
+    tick();
+    r
+}
+
 pub(super) async fn one_request(host: &str, path: &str, body: String) -> RequestRecord {
     let mut rec = RequestRecord {
         sent: Some(Instant::now()),
@@ -178,7 +211,7 @@ pub(super) async fn one_request(host: &str, path: &str, body: String) -> Request
         rec.completion_tokens = n(&u["completion_tokens"]);
         rec.cached_tokens = n(&u["prompt_tokens_details"]["cached_tokens"]);
         let c = &u["kvtier"]["cached_tokens"];
-        rec.cached_by_tier = [n(&c["device"]), n(&c["host"]), n(&c["disk"])];
+        rec.cached_by_tier = [n(&c["device"]), n(&c["host"]), n(&c["disk"]), n(&c["remote"])];
         let span = |s: &Value| {
             (!s.is_null()).then(|| {
                 let f = |k: &str| s[k].as_f64().unwrap_or(0.0);

@@ -20,6 +20,9 @@ pub(super) struct Target {
     pub(super) device_tokens: usize,
     pub(super) block_tokens: usize,
     pub(super) _embedded: Option<Embedded>,
+    /// With a remote tier: node A, which computes the prefixes this node (B) then finds in the
+    /// remote tier.
+    pub(super) peer: Option<Box<Target>>,
 }
 
 /// An engine (and sidecar) this process started.
@@ -29,10 +32,20 @@ pub(super) struct Embedded {
     pub(super) _disk: tempfile::TempDir,
 }
 
+/// The engine (and sidecar) the benchmark measures; with `remote_nodes`, a second one (its
+/// peer, node A) sharing the remote tier with it.
 pub(super) fn start_embedded(
     config: &ServeConfig,
     rt: &tokio::runtime::Runtime,
 ) -> Result<Target, BenchError> {
+    let mut target = start_node(config, rt)?;
+    if !config.remote_nodes.is_empty() {
+        target.peer = Some(Box::new(start_node(config, rt)?));
+    }
+    Ok(target)
+}
+
+fn start_node(config: &ServeConfig, rt: &tokio::runtime::Runtime) -> Result<Target, BenchError> {
     let (model, weights, _) =
         kvtier_engine::load_model(&config.model, config.layers, config.seed).map_err(err)?;
     let bt = config.block_tokens as usize;
@@ -64,6 +77,14 @@ pub(super) fn start_embedded(
         // Every stored block goes to disk too, so the disk scenario has its prefix there.
         "write_policy=\"all\"".into(),
     ]);
+    if !config.remote_nodes.is_empty() {
+        overrides.extend([
+            format!("remote.nodes=\"{}\"", config.remote_nodes.join(",")),
+            // Every stored block goes to the cluster, and under this run's own prefix.
+            "remote.write_policy=\"all\"".into(),
+            format!("remote.key_prefix=\"kvtier-bench-serve-{}\"", std::process::id()),
+        ]);
+    }
     let (url, sidecar) = start(&SidecarTarget::InProcess, &overrides)?;
     let name = model.name.clone();
     let parameters = model.parameters();
@@ -101,6 +122,7 @@ pub(super) fn start_embedded(
             _sidecar: sidecar,
             _disk: disk,
         }),
+        peer: None,
     })
 }
 
@@ -129,5 +151,15 @@ impl Target {
     pub(super) async fn disk_entries(&self) -> Result<u64, BenchError> {
         let v = self.call("GET", "/kvtier/stats", None).await?;
         Ok(v["tiers"]["disk"]["entries"].as_u64().unwrap_or(0))
+    }
+
+    /// Blocks this node's sidecar wrote to the remote tier, and those still queued.
+    pub(super) async fn remote_writes(&self) -> Result<(u64, u64), BenchError> {
+        let v = self.call("GET", "/kvtier/stats", None).await?;
+        let r = &v["tiers"]["remote"];
+        Ok((
+            r["written_blocks_total"].as_u64().unwrap_or(0),
+            r["pending_writes"].as_u64().unwrap_or(0),
+        ))
     }
 }
