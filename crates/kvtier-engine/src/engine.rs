@@ -43,6 +43,60 @@ pub fn kv_geometry(model: &ModelConfig, config: &EngineConfig) -> Result<KvGeome
     )?)
 }
 
+/// A fresh `kvtier-engine-<pid>-<n>.pool` in /dev/shm (the temp directory without it). Pool
+/// files of engines that died without removing theirs (SIGKILL, OOM) are removed first: such a
+/// file names a process that no longer runs, or this process's own pid with a number it has not
+/// used yet (a dead process had this pid before).
+fn default_pool_path() -> std::path::PathBuf {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    // Shared memory when the system has it, else the temp directory.
+    let shm = std::path::Path::new("/dev/shm");
+    let dir = if shm.is_dir() {
+        shm.to_owned()
+    } else {
+        std::env::temp_dir()
+    };
+    let me = std::process::id();
+    if n == 0 {
+        remove_stale_pool_files(&dir);
+    }
+    let path = dir.join(format!("kvtier-engine-{me}-{n}.pool"));
+    if path.exists() {
+        tracing::warn!(path = %path.display(), "removing a stale engine pool file left by a dead process with this pid");
+        let _ = std::fs::remove_file(&path);
+    }
+    path
+}
+
+/// Removes `kvtier-engine-<pid>-<n>.pool` files in `dir` whose pid runs no process. (This
+/// process's own are left alone: another of its engines may have just made one.)
+fn remove_stale_pool_files(dir: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("kvtier-engine-"))
+            .and_then(|n| n.strip_suffix(".pool"))
+            .and_then(|n| n.split_once('-'))
+            .filter(|(_, k)| k.parse::<u64>().is_ok())
+            .and_then(|(p, _)| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: kill(2) with signal 0 only checks whether the pid exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            tracing::info!(path = %e.path().display(), pid, "removing the pool file of an engine that is gone");
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 impl Engine {
     /// Creates the device pool, starts the engine thread and (with a sidecar configured and
     /// `kv_reuse = tiered`) tries to connect; without a sidecar it serves from the device
@@ -61,18 +115,7 @@ impl Engine {
         let geometry = kv_geometry(&model, &config)?;
         let path = match &config.pool_path {
             Some(p) => p.clone(),
-            None => {
-                static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-                let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                // Shared memory when the system has it, else the temp directory.
-                let shm = std::path::Path::new("/dev/shm");
-                let dir = if shm.is_dir() {
-                    shm.to_owned()
-                } else {
-                    std::env::temp_dir()
-                };
-                dir.join(format!("kvtier-engine-{}-{n}.pool", std::process::id()))
-            }
+            None => default_pool_path(),
         };
         let pool = Arc::new(CpuDevicePool::create(Some(&path), geometry, config.device_slots)?);
         let kv = KvSlots::new(Arc::clone(&pool))?;
@@ -276,6 +319,27 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pool_files_of_dead_engines_are_removed_and_live_ones_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut dead = std::process::Command::new("true").spawn().unwrap();
+        let dead_pid = dead.id();
+        dead.wait().unwrap();
+        let file = |pid: u32, n: u32| dir.path().join(format!("kvtier-engine-{pid}-{n}.pool"));
+        let (stale, mine, init, other) = (
+            file(dead_pid, 0),
+            file(std::process::id(), 7),
+            file(1, 0),
+            dir.path().join("kvtier-engine-notes.txt"),
+        );
+        for f in [&stale, &mine, &init, &other] {
+            std::fs::write(f, b"x").unwrap();
+        }
+        remove_stale_pool_files(dir.path());
+        assert!(!stale.exists(), "a dead engine's pool file was kept");
+        assert!(mine.exists() && init.exists() && other.exists());
+    }
     use crate::Sampling;
 
     fn engine(reuse: KvReuse, slots: u32) -> Engine {

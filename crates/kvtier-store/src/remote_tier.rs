@@ -212,6 +212,10 @@ pub struct RemoteTierStats {
     pub pending_writes: u64,
     /// Prefix lookups (EXISTS) that failed or timed out: counted as misses.
     pub lookup_errors_total: u64,
+    /// Times a failure or timeout made the tier skipped for `retry_ms`.
+    pub skipped_total: u64,
+    /// Whether the tier is skipped now after a failure (see [`RemoteTier::available`]).
+    pub skipping: bool,
 }
 
 impl RemoteTierStats {
@@ -235,6 +239,7 @@ struct Counters {
     write_busy_ns: AtomicU64,
     dropped: [AtomicU64; 4],
     lookup_errors: AtomicU64,
+    trips: AtomicU64,
 }
 
 /// The remote tier. Cheap to clone.
@@ -252,6 +257,11 @@ struct Inner {
     runtime: Mutex<Option<tokio::runtime::Runtime>>,
     conn: Mutex<Option<ClusterConnection>>,
     connected: AtomicBool,
+    /// Until when (ms since `epoch`) the tier is skipped after a lookup or read failed or
+    /// timed out, so a cluster that went slow or away costs one timeout per `retry_ms`, not one
+    /// per request.
+    sick_until_ms: AtomicU64,
+    epoch: Instant,
     counters: Counters,
     reads: Arc<Semaphore>,
     writes: Arc<Semaphore>,
@@ -371,6 +381,8 @@ impl RemoteTier {
             runtime: Mutex::new(Some(runtime)),
             conn: Mutex::new(None),
             connected: AtomicBool::new(false),
+            sick_until_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
             counters: Counters::default(),
             reads: Arc::new(Semaphore::new(config.read_concurrency)),
             writes: Arc::new(Semaphore::new(config.write_concurrency)),
@@ -473,13 +485,38 @@ impl RemoteTier {
         self.inner.connected.load(Ordering::Acquire)
     }
 
+    /// Whether the tier is to be asked now: connected, and no lookup or read failed or timed
+    /// out in the last `retry_ms`. While it is not, matches skip it, loads do not fetch from
+    /// it and writes are dropped (`unavailable`).
+    pub fn available(&self) -> bool {
+        self.connected() && self.now_ms() >= self.inner.sick_until_ms.load(Ordering::Acquire)
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.inner.epoch.elapsed().as_millis() as u64
+    }
+
+    /// A lookup or read failed or timed out: skip the tier for `retry_ms`.
+    fn trip(&self, why: &str) {
+        let until = self.now_ms() + self.inner.config.retry_ms;
+        let before = self.inner.sick_until_ms.fetch_max(until, Ordering::AcqRel);
+        self.inner.counters.trips.fetch_add(1, Ordering::Relaxed);
+        if before <= self.now_ms() {
+            tracing::warn!(
+                reason = why,
+                retry_ms = self.inner.config.retry_ms,
+                "remote tier failing; skipped until the retry interval passes"
+            );
+        }
+    }
+
     /// How many of `keys` (of `ns`), from the first, the cluster holds: the run ends at the
     /// first key it lacks. Lookups that fail or time out end the run (counted).
     ///
     /// Cost: one EXISTS per key up to the first miss, 32 in flight at once; at most one
     /// `timeout_ms` per 32 keys. Nothing is read or pinned: a key may be evicted right after.
     pub fn match_run(&self, ns: NamespaceFingerprint, keys: &[BlockKey]) -> usize {
-        let Some(conn) = self.conn().filter(|_| !keys.is_empty()) else {
+        let Some(conn) = self.conn().filter(|_| !keys.is_empty() && self.available()) else {
             return 0;
         };
         let names: Vec<String> = keys.iter().map(|&k| self.key(ns, k)).collect();
@@ -519,10 +556,12 @@ impl RemoteTier {
             // A lookup that failed ends the run where it failed.
             Ok(Err(n)) => {
                 self.inner.counters.lookup_errors.fetch_add(1, Ordering::Relaxed);
+                self.trip("lookup failed or timed out");
                 n
             }
             Err(_) => {
                 self.inner.counters.lookup_errors.fetch_add(1, Ordering::Relaxed);
+                self.trip("lookup failed");
                 0
             }
         }
@@ -563,7 +602,9 @@ impl RemoteTier {
                                 )
                                 .await
                                 {
+                                    // The client's own response timeout is the same bound.
                                     Err(_) => Fetched::Failed(FetchFailure::Timeout),
+                                    Ok(Err(e)) if e.is_timeout() => Fetched::Failed(FetchFailure::Timeout),
                                     Ok(Err(e)) => Fetched::Failed(FetchFailure::Error(e.to_string())),
                                     Ok(Ok(None)) => Fetched::Absent,
                                     Ok(Ok(Some(v))) => Fetched::Value(v),
@@ -601,6 +642,7 @@ impl RemoteTier {
             }
             Fetched::Failed(FetchFailure::Timeout) => {
                 c.read_timeouts.fetch_add(1, Ordering::Relaxed);
+                self.trip("read timed out");
                 Err(remote_err(
                     "read",
                     format!(
@@ -611,6 +653,7 @@ impl RemoteTier {
             }
             Fetched::Failed(FetchFailure::Error(e)) => {
                 c.read_errors.fetch_add(1, Ordering::Relaxed);
+                self.trip("read failed");
                 Err(remote_err("read", format!("block {key}: {e}")))
             }
             Fetched::Value(v) => {
@@ -666,7 +709,7 @@ impl RemoteTier {
     /// [`DropReason::QueueFull`].
     pub fn write_behind(&self, ns: NamespaceFingerprint, page: PinnedPage) -> Result<(), DropReason> {
         let inner = &self.inner;
-        let Some(mut conn) = self.conn() else {
+        let Some(mut conn) = self.conn().filter(|_| self.available()) else {
             return Err(self.dropped(DropReason::Unavailable));
         };
         {
@@ -701,6 +744,7 @@ impl RemoteTier {
                                 .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
                             match r {
                                 Ok(Ok(())) => Ok(started),
+                                Ok(Err(e)) if e.is_timeout() => Err(DropReason::Timeout),
                                 Ok(Err(e)) => {
                                     tracing::debug!(error = %e, key = %name, "remote write failed");
                                     Err(DropReason::Error)
@@ -834,6 +878,8 @@ impl RemoteTier {
             dropped_writes_total: std::array::from_fn(|i| r(&c.dropped[i])),
             pending_writes: *lock(&self.inner.pending),
             lookup_errors_total: r(&c.lookup_errors),
+            skipped_total: r(&c.trips),
+            skipping: self.connected() && !self.available(),
         }
     }
 }

@@ -62,6 +62,36 @@ impl TestCluster {
             .ok()
     }
 
+    /// The port of the master that holds `key`'s slot now.
+    ///
+    /// # Panics
+    /// If no master claims the slot.
+    pub fn master_of(&self, key: &str) -> u16 {
+        let slot: u16 = self
+            .cli(&["CLUSTER", "KEYSLOT", key])
+            .trim()
+            .parse()
+            .expect("CLUSTER KEYSLOT answers a number");
+        for line in self.cli(&["CLUSTER", "NODES"]).lines() {
+            let f: Vec<&str> = line.split(' ').collect();
+            if f.len() < 9 || !f[2].contains("master") {
+                continue;
+            }
+            let owns = f[8..].iter().any(|r| {
+                let (a, b) = r.split_once('-').unwrap_or((r, r));
+                matches!((a.parse::<u16>(), b.parse::<u16>()), (Ok(a), Ok(b)) if (a..=b).contains(&slot))
+            });
+            if owns {
+                let addr = f[1].split('@').next().unwrap_or("");
+                return addr
+                    .rsplit_once(':')
+                    .and_then(|(_, p)| p.parse().ok())
+                    .expect("host:port");
+            }
+        }
+        panic!("no master holds slot {slot}")
+    }
+
     /// Runs `redis-cli -c -p <first master's port> args…` and returns its stdout.
     pub fn cli(&self, args: &[&str]) -> String {
         let port = self.nodes[0].rsplit_once(':').map_or("0", |(_, p)| p);

@@ -271,7 +271,7 @@ impl LoadQueue {
             // remote tier (a value that is not there, or does not verify, is then missing).
             let from = if store.disk().is_some_and(|d| d.contains(ns, b.key)) {
                 Some(Tier::Disk)
-            } else if store.remote().is_some_and(RemoteTier::connected) && !host.is_writing(b.key) {
+            } else if store.remote().is_some_and(RemoteTier::available) && !host.is_writing(b.key) {
                 Some(Tier::Remote)
             } else {
                 None

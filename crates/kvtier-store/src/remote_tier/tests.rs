@@ -238,3 +238,74 @@ fn wrong_credentials_are_an_error_at_start_and_right_ones_connect() {
     assert!(remote.flush(Duration::from_secs(20)));
     assert_eq!(remote.match_run(NS, &ks), 2);
 }
+
+/// Sends SIGCONT to the stopped node when dropped, whatever the test did meanwhile.
+struct Stopped(i32);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) with a pid and a signal number; no memory is involved.
+        unsafe { libc::kill(self.0, libc::SIGCONT) };
+    }
+}
+
+#[test]
+fn a_master_that_stops_answering_costs_one_timeout_then_the_tier_is_skipped_until_retry() {
+    let cluster = TestCluster::start(&[]);
+    let mut cfg = config(cluster.nodes());
+    cfg.timeout_ms = 300;
+    cfg.retry_ms = 500;
+    let remote = RemoteTier::open(geo(), &cfg).unwrap();
+    let h = host();
+    let ks = keys(12, 7);
+    for p in stored(&h, NS, &ks) {
+        remote.write_behind(NS, p).unwrap();
+    }
+    assert!(remote.flush(Duration::from_secs(20)));
+    let port = cluster.master_of(&remote_key(&cfg.key_prefix, NS, ks[0]));
+    let pid = cluster.pid(port).expect("the master's pid") as i32;
+    // SAFETY: kill(2) with a pid and a signal number; no memory is involved.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let stopped = Stopped(pid);
+
+    // The blocks on the stopped master time out (bounded, counted); the others verify; no
+    // read returns wrong bytes.
+    let got = read_back(&remote, NS, &ks);
+    assert!(
+        matches!(got[0], Err(StoreError::Remote { .. })),
+        "{:?}",
+        got[0].as_ref().err()
+    );
+    for (k, g) in ks.iter().zip(&got) {
+        if let Ok(bytes) = g {
+            assert_eq!(bytes, &bytes_of(*k));
+        }
+    }
+    let s = remote.stats();
+    assert!(
+        s.read_timeouts_total >= 1 && s.skipping && s.skipped_total >= 1,
+        "{s:?}"
+    );
+    // Skipped now: no lookup, no fetch, writes dropped as unavailable.
+    assert!(!remote.available());
+    assert_eq!(remote.match_run(NS, &ks), 0);
+    assert_eq!(remote.stats().lookup_errors_total, 0, "a skipped tier was asked");
+    let p = stored(&h, NS, &keys(1, 99)).pop().unwrap();
+    assert_eq!(remote.write_behind(NS, p), Err(DropReason::Unavailable));
+
+    drop(stopped);
+    // After the retry interval the tier is asked again and serves every block.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        if remote.available() && read_back(&remote, NS, &ks).iter().all(Result::is_ok) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the tier never served again: {:?}",
+            remote.stats()
+        );
+    }
+    assert_eq!(remote.match_run(NS, &ks), 12);
+}
