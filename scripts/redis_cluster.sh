@@ -17,6 +17,10 @@
 #                       where outgoing connections would take them; retried on a clash)
 #       --password P    requirepass/masterauth P on every node
 #       --maxmemory M   per node (default 256mb)
+#       --tls DIR       TLS only (clients, cluster bus, replication) with DIR/redis-node.pem,
+#                       DIR/redis-node.key and DIR/redis-ca.pem (tests/data/tls holds test-only
+#                       ones; the bus authenticates both ends, so the node certificate is good
+#                       for clientAuth too)
 #   scripts/redis_cluster.sh stop DIR           stops every node DIR/*.pid names (by PID) and
 #                                               removes DIR's node files
 set -euo pipefail
@@ -54,12 +58,14 @@ pick_base() {
 }
 
 cli() {
-    # redis-cli against PORT with the password when there is one.
+    # redis-cli against PORT with the password and TLS when there are.
     local port=$1; shift
+    local tls=()
+    [ -n "$tls_dir" ] && tls=(--tls --cacert "$tls_dir/redis-ca.pem")
     if [ -n "$password" ]; then
-        REDISCLI_AUTH="$password" redis-cli -p "$port" "$@"
+        REDISCLI_AUTH="$password" redis-cli "${tls[@]}" -p "$port" "$@"
     else
-        redis-cli -p "$port" "$@"
+        redis-cli "${tls[@]}" -p "$port" "$@"
     fi
 }
 
@@ -67,11 +73,13 @@ start() {
     local dir=$1; shift
     local base="" maxmemory=256mb
     password=""
+    tls_dir=""
     while [ $# -gt 0 ]; do
         case $1 in
             --port-base) base=$2; shift 2 ;;
             --password) password=$2; shift 2 ;;
             --maxmemory) maxmemory=$2; shift 2 ;;
+            --tls) tls_dir=$(cd "$2" && pwd); shift 2 ;;
             *) die "unknown option $1" ;;
         esac
     done
@@ -101,9 +109,12 @@ start_nodes() {
     for p in $(seq "$base" $((base + 5))); do
         ports+=("$p")
         mkdir -p "$dir/$p"
-        local auth=()
+        local auth=() listen=(--port "$p")
         [ -n "$password" ] && auth=(--requirepass "$password" --masterauth "$password")
-        setsid redis-server --bind 127.0.0.1 --port "$p" --cluster-port $((p + 10000)) \
+        [ -n "$tls_dir" ] && listen=(--port 0 --tls-port "$p" --tls-cluster yes --tls-replication yes
+            --tls-auth-clients no --tls-cert-file "$tls_dir/redis-node.pem" --tls-key-file "$tls_dir/redis-node.key"
+            --tls-ca-cert-file "$tls_dir/redis-ca.pem")
+        setsid redis-server --bind 127.0.0.1 "${listen[@]}" --cluster-port $((p + 10000)) \
             --cluster-enabled yes --cluster-config-file "$dir/$p/nodes.conf" \
             --cluster-node-timeout 2000 --save '' --appendonly no --daemonize no \
             --maxmemory "$maxmemory" --maxmemory-policy allkeys-lru \

@@ -49,8 +49,13 @@ pub struct RemoteTierConfig {
     /// `KVTIER_REMOTE__PASSWORD` to a flag, which other users see in `ps`.
     #[serde(with = "kvtier_core::optional_setting")]
     pub password: Option<Secret>,
-    /// TLS to every node (default `false`), verified against the system's roots.
+    /// TLS to every node (default `false`), verified against the system's roots or
+    /// `tls_ca_file`.
     pub tls: bool,
+    /// A PEM file of the CA certificates to trust instead of the system's roots (default
+    /// `"off"`); with `tls` only.
+    #[serde(with = "kvtier_core::optional_setting")]
+    pub tls_ca_file: Option<std::path::PathBuf>,
     /// Prefix of every key kvtier writes (default `kvtier`): fleets that share a cluster but
     /// not their KV use different prefixes.
     pub key_prefix: String,
@@ -83,6 +88,7 @@ impl Default for RemoteTierConfig {
             username: None,
             password: None,
             tls: false,
+            tls_ca_file: None,
             key_prefix: "kvtier".into(),
             connect_timeout_ms: 2000,
             timeout_ms: 2000,
@@ -132,6 +138,9 @@ impl RemoteTierConfig {
             if v == 0 {
                 return bad(format!("{key} = 0: give a timeout in milliseconds"));
             }
+        }
+        if config.tls_ca_file.is_some() && !config.tls {
+            return bad("remote.tls_ca_file is set but remote.tls = false: set remote.tls = true, or remove the CA file".into());
         }
         if config.admit_min_hits == 0 {
             return bad("remote.admit_min_hits = 0: give at least 1 (default 2)".into());
@@ -337,6 +346,21 @@ fn is_auth_error(e: &redis::RedisError) -> bool {
     .any(|m| s.contains(m))
 }
 
+/// Whether a connection error says the nodes' certificates are not trusted (or TLS does not
+/// match what the nodes speak): a configuration error, not worth retrying.
+fn is_certificate_error(e: &redis::RedisError) -> bool {
+    let s = e.to_string();
+    [
+        "certificate",
+        "UnknownIssuer",
+        "InvalidCertificate",
+        "NotValidForName",
+        "tls handshake",
+    ]
+    .iter()
+    .any(|m| s.contains(m))
+}
+
 impl RemoteTier {
     /// Connects to the cluster. A cluster that cannot be reached is not an error: the tier
     /// starts disconnected (every read a miss, every write dropped as `unavailable`), says so
@@ -346,7 +370,8 @@ impl RemoteTier {
     /// Up to `connect_timeout_ms` for the first attempt.
     ///
     /// # Errors
-    /// [`StoreError::RemoteConfig`] as [`RemoteTierConfig::validate`] says;
+    /// [`StoreError::RemoteConfig`] as [`RemoteTierConfig::validate`] says, for an unreadable
+    /// `tls_ca_file`, and when the nodes' certificates are not trusted;
     /// [`StoreError::RemoteAuth`] when the cluster refuses the credentials.
     pub fn open(geometry: KvGeometry, config: &RemoteTierConfig) -> Result<Self, StoreError> {
         config
@@ -364,6 +389,20 @@ impl RemoteTier {
         }
         if let Some(p) = &config.password {
             b = b.password(p.expose());
+        }
+        if config.tls {
+            // rustls picks no provider by itself when the process could have two; ours is ring.
+            // Already installed (by us or tonic) is fine.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        }
+        if let Some(path) = &config.tls_ca_file {
+            let root_cert = std::fs::read(path).map_err(|e| StoreError::RemoteConfig {
+                reason: format!("remote.tls_ca_file = {:?}: cannot read it: {e}", path.display()),
+            })?;
+            b = b.certs(redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(root_cert),
+            });
         }
         let client = b.build().map_err(|e| StoreError::RemoteConfig {
             reason: e.to_string(),
@@ -398,6 +437,14 @@ impl RemoteTier {
                 return Err(StoreError::RemoteAuth {
                     nodes: config.nodes.join(","),
                     reason: e.to_string(),
+                });
+            }
+            Ok(Err(e)) if is_certificate_error(&e) => {
+                return Err(StoreError::RemoteConfig {
+                    reason: format!(
+                        "{}: the TLS handshake failed ({e}): check remote.tls and remote.tls_ca_file",
+                        config.nodes.join(",")
+                    ),
                 });
             }
             Ok(Err(e)) => {

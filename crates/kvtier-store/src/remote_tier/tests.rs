@@ -309,3 +309,32 @@ fn a_master_that_stops_answering_costs_one_timeout_then_the_tier_is_skipped_unti
     }
     assert_eq!(remote.match_run(NS, &ks), 12);
 }
+
+#[test]
+fn a_tls_cluster_is_reached_with_its_ca_and_refused_without_it() {
+    let tls = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/tls");
+    let cluster = TestCluster::start(&["--tls", tls.to_str().unwrap()]);
+    let mut cfg = config(cluster.nodes());
+    cfg.tls = true;
+    cfg.connect_timeout_ms = 1000;
+    // The system's roots do not know the test CA: a configuration error at start.
+    let e = RemoteTier::open(geo(), &cfg).unwrap_err().to_string();
+    assert!(e.contains("remote.tls_ca_file"), "{e}");
+    cfg.tls_ca_file = Some(tls.join("redis-ca.pem"));
+    let remote = RemoteTier::open(geo(), &cfg).unwrap();
+    assert!(remote.connected());
+    let h = host();
+    let ks = keys(6, 11);
+    for p in stored(&h, NS, &ks) {
+        remote.write_behind(NS, p).unwrap();
+    }
+    assert!(remote.flush(Duration::from_secs(20)));
+    assert_eq!(remote.match_run(NS, &ks), 6);
+    for (k, got) in ks.iter().zip(read_back(&remote, NS, &ks)) {
+        assert_eq!(got.unwrap(), bytes_of(*k));
+    }
+    // A CA file without TLS is refused by name.
+    cfg.tls = false;
+    let e = RemoteTier::open(geo(), &cfg).unwrap_err().to_string();
+    assert!(e.contains("remote.tls = false"), "{e}");
+}
