@@ -628,9 +628,11 @@ impl RemoteTier {
         c.reads.fetch_add(writers.len() as u64, Ordering::Relaxed);
         let conn = self.conn();
         let timeout = self.timeout();
+        let left = Arc::new((Mutex::new(writers.len()), Condvar::new()));
         let slots = writers
             .into_iter()
             .map(|writer| {
+                let left = Arc::clone(&left);
                 let key = writer.key();
                 let (tx, rx) = std::sync::mpsc::sync_channel(1);
                 let tier = self.clone();
@@ -661,11 +663,17 @@ impl RemoteTier {
                     };
                     let outcome = tier.settle(ns, key, fetched, &writer);
                     let _ = tx.send((writer, outcome));
+                    let (n, all) = &*left;
+                    let mut n = lock(n);
+                    *n -= 1;
+                    if *n == 0 {
+                        all.notify_all();
+                    }
                 });
                 (key, Mutex::new(rx))
             })
             .collect();
-        RemoteReads { slots }
+        RemoteReads { slots, left }
     }
 
     /// Counts what a read found and, for a value, verifies it into `writer`'s page.
@@ -1077,6 +1085,8 @@ pub struct RemoteReads {
         BlockKey,
         Mutex<std::sync::mpsc::Receiver<(PageWriter, Result<(), StoreError>)>>,
     )>,
+    /// Reads not ended yet, and their waiters ([`RemoteReads::wait_all`]).
+    left: Arc<(Mutex<usize>, Condvar)>,
 }
 
 impl RemoteReads {
@@ -1105,6 +1115,17 @@ impl RemoteReads {
     /// Until its GET ends: at most the tier's `timeout_ms` after it started.
     pub fn wait(&self, i: usize) -> Option<(PageWriter, Result<(), StoreError>)> {
         lock(&self.slots[i].1).recv().ok()
+    }
+
+    /// Blocks until every read has ended (each within the tier's `timeout_ms` of its start):
+    /// a worker that then takes the pages back with [`RemoteReads::wait`] is woken once per
+    /// load, not once per block.
+    pub fn wait_all(&self) {
+        let (n, all) = &*self.left;
+        let mut n = lock(n);
+        while *n > 0 {
+            n = all.wait(n).unwrap_or_else(|e| e.into_inner());
+        }
     }
 }
 

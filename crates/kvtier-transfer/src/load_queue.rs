@@ -468,13 +468,18 @@ impl ChunkedJob for PromoteJob {
                         self.reads.one_done();
                         r
                     }
-                    (Source::Remote(i), _, Some(remote)) => match remote.wait(i) {
-                        Some((writer, r)) => {
-                            lock(&self.promote)[b].writer = Some(writer);
-                            r
+                    (Source::Remote(i), _, Some(remote)) => {
+                        // One wake-up per load for the workers, not one per block: the values
+                        // are verified into their pages as they arrive, on the tier's runtime.
+                        remote.wait_all();
+                        match remote.wait(i) {
+                            Some((writer, r)) => {
+                                lock(&self.promote)[b].writer = Some(writer);
+                                r
+                            }
+                            None => Err(StoreError::NotFound { key, tier: "remote" }),
                         }
-                        None => Err(StoreError::NotFound { key, tier: "remote" }),
-                    },
+                    }
                     _ => Err(StoreError::NotFound { key, tier: "disk" }),
                 };
                 // A block that fails is reported missing; the others still load.
