@@ -642,7 +642,7 @@ fn keys(a: KeysArgs) -> Result<()> {
     for (i, k) in keys.iter().enumerate() {
         writeln!(out, "key[{i}]={k}")?;
     }
-    if a.tokens.len() % geometry.block_tokens() as usize != 0 {
+    if !a.tokens.len().is_multiple_of(geometry.block_tokens() as usize) {
         eprintln!(
             "kvtier keys: {} trailing tokens do not fill a block and have no key",
             a.tokens.len() % geometry.block_tokens() as usize

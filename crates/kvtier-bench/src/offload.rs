@@ -296,7 +296,7 @@ pub fn run_offload(
                 samples.memcpy.push(m.run_once()?);
             }
             if let Some(d) = &disk_baseline
-                && (round - config.warmup_rounds) % disk_every == 0
+                && (round - config.warmup_rounds).is_multiple_of(disk_every)
             {
                 let (w, r) = d.run_once()?;
                 samples.disk_write_baseline.push(w.gib_s);

@@ -77,7 +77,7 @@ impl fmt::Display for ByteSize {
         let b = self.0;
         for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
             if b >= 1 << shift {
-                return if b % (1 << shift) == 0 {
+                return if b.is_multiple_of(1 << shift) {
                     write!(f, "{}{unit}", b >> shift)
                 } else {
                     write!(f, "{:.2}{unit}", b as f64 / (1u64 << shift) as f64)
@@ -94,7 +94,7 @@ impl Serialize for ByteSize {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let b = self.0;
         for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
-            if b >= 1 << shift && b % (1 << shift) == 0 {
+            if b >= 1 << shift && b.is_multiple_of(1 << shift) {
                 return s.serialize_str(&format!("{}{unit}", b >> shift));
             }
         }

@@ -262,10 +262,10 @@ impl ModelConfig {
         {
             return bad("layers, hidden, vocab and head counts must be positive".into());
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} must be even and positive", self.head_dim));
         }
-        if self.q_heads % self.kv_heads != 0 {
+        if !self.q_heads.is_multiple_of(self.kv_heads) {
             return bad(format!(
                 "{} query heads are not a multiple of {} kv heads",
                 self.q_heads, self.kv_heads

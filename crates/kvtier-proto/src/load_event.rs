@@ -42,7 +42,7 @@ impl LayerEvents {
     /// Whether the event for `layer` (of `layers`) is sent.
     pub fn wants(self, layer: u32, layers: u32) -> bool {
         match self {
-            LayerEvents::Every(n) => (layer + 1) % n.max(1) == 0 || layer + 1 == layers,
+            LayerEvents::Every(n) => (layer + 1).is_multiple_of(n.max(1)) || layer + 1 == layers,
             LayerEvents::DoneOnly => false,
         }
     }

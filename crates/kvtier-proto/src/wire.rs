@@ -25,7 +25,7 @@ pub fn pack_key(key: Option<BlockKey>) -> Bytes {
 /// # Errors
 /// [`ProtoError::BadKeys`] naming `field` when its length is not a multiple of 16.
 pub fn unpack_keys(field: &'static str, bytes: &[u8]) -> Result<Vec<BlockKey>, ProtoError> {
-    if bytes.len() % 16 != 0 {
+    if !bytes.len().is_multiple_of(16) {
         return Err(ProtoError::BadKeys {
             field,
             len: bytes.len(),
