@@ -338,3 +338,33 @@ fn a_tls_cluster_is_reached_with_its_ca_and_refused_without_it() {
     let e = RemoteTier::open(geo(), &cfg).unwrap_err().to_string();
     assert!(e.contains("remote.tls = false"), "{e}");
 }
+
+#[test]
+fn a_cluster_that_comes_up_after_the_tier_opened_is_connected_by_the_retries() {
+    // A free base below the ephemeral range (the script's own choice is random; here the tier
+    // must know the ports before the cluster exists).
+    let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+    let base = (16_000u16..17_000)
+        .step_by(10)
+        .find(|&b| (b..b + 6).all(|p| free(p) && free(p + 10_000)))
+        .expect("a free port base");
+    let mut cfg = config(&[format!("127.0.0.1:{base}")]);
+    cfg.connect_timeout_ms = 300;
+    cfg.retry_ms = 200;
+    let remote = RemoteTier::open(geo(), &cfg).unwrap();
+    assert!(!remote.connected(), "nothing listens yet");
+    let cluster = TestCluster::start(&["--port-base", &base.to_string()]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !remote.connected() {
+        assert!(Instant::now() < deadline, "the retries never connected");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let h = host();
+    let ks = keys(4, 21);
+    for p in stored(&h, NS, &ks) {
+        remote.write_behind(NS, p).unwrap();
+    }
+    assert!(remote.flush(Duration::from_secs(20)));
+    assert_eq!(remote.match_run(NS, &ks), 4);
+    drop(cluster);
+}
