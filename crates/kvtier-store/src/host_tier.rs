@@ -355,21 +355,22 @@ impl HostTier {
     /// Cost: one index lookup per key up to the first miss, then one lock to record the use.
     /// Pins nothing: a block may be evicted right after; [`HostTier::pin`] it to load it.
     pub fn match_prefix(&self, ns: NamespaceFingerprint, keys: &[BlockKey]) -> Vec<PageId> {
-        self.match_prefix_counting(ns, keys, 0).0
+        self.match_prefix_counting(ns, keys, []).0
     }
 
-    /// [`HostTier::match_prefix`], also returning the indices (into `keys`) of the blocks whose
-    /// hit count reached exactly `threshold` with this match (0: none) — the blocks a
-    /// "hit at least N times" admission filter admits now.
-    pub fn match_prefix_counting(
+    /// [`HostTier::match_prefix`], also returning, for each of `thresholds`, the indices (into
+    /// `keys`) of the blocks whose hit count reached exactly that threshold with this match
+    /// (0: none) — the blocks a "hit at least N times" admission filter admits now (one
+    /// threshold per filter: the disk's and the remote tier's).
+    pub fn match_prefix_counting<const N: usize>(
         &self,
         ns: NamespaceFingerprint,
         keys: &[BlockKey],
-        threshold: u32,
-    ) -> (Vec<PageId>, Vec<usize>) {
+        thresholds: [u32; N],
+    ) -> (Vec<PageId>, [Vec<usize>; N]) {
         let inner = &self.inner;
         let mut pages = Vec::with_capacity(keys.len());
-        let mut reached = Vec::new();
+        let mut reached: [Vec<usize>; N] = std::array::from_fn(|_| Vec::new());
         for (i, &key) in keys.iter().enumerate() {
             let Some(page) = inner.index.get(&key).map(|p| *p) else {
                 break;
@@ -378,8 +379,11 @@ impl HostTier {
             if !meta.holds(ns, key) {
                 break;
             }
-            if meta.hits.fetch_add(1, Ordering::Relaxed) + 1 == threshold {
-                reached.push(i);
+            let hits = meta.hits.fetch_add(1, Ordering::Relaxed) + 1;
+            for (t, r) in thresholds.iter().zip(reached.iter_mut()) {
+                if hits == *t {
+                    r.push(i);
+                }
             }
             pages.push(page);
         }

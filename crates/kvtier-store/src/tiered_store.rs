@@ -189,7 +189,7 @@ impl TieredStore {
         let Some(remote) = &self.remote else { return 0 };
         keys.iter()
             .filter_map(|&k| self.host.pin(ns, k))
-            .filter(|p| remote.write_behind(ns, p.clone()).is_ok())
+            .filter_map(|p| remote.write_behind(ns, p).ok())
             .count()
     }
 
@@ -240,14 +240,9 @@ impl TieredStore {
             }
             _ => 0,
         };
-        // One count serves both filters when they agree; otherwise the disk's (the remote
-        // filter then admits on the same count, see below).
-        let threshold = if disk_threshold > 0 {
-            disk_threshold
-        } else {
-            remote_threshold
-        };
-        let (pages, reached) = self.host.match_prefix_counting(ns, keys, threshold);
+        let (pages, [to_disk, to_remote]) =
+            self.host
+                .match_prefix_counting(ns, keys, [disk_threshold, remote_threshold]);
         let mut tiers = vec![Tier::Host; pages.len()];
         for &key in &keys[pages.len()..] {
             if self.disk.as_ref().is_some_and(|d| d.contains(ns, key)) {
@@ -265,18 +260,14 @@ impl TieredStore {
             tiers.extend(std::iter::repeat_n(Tier::Remote, run));
         }
         let admitted = match &self.disk {
-            Some(d) if disk_threshold > 0 => reached
-                .iter()
-                .map(|&i| keys[i])
+            Some(d) => to_disk
+                .into_iter()
+                .map(|i| keys[i])
                 .filter(|&k| !d.contains(ns, k))
                 .collect(),
-            _ => Vec::new(),
+            None => Vec::new(),
         };
-        let admitted_remote = if remote_threshold > 0 {
-            reached.iter().map(|&i| keys[i]).collect()
-        } else {
-            Vec::new()
-        };
+        let admitted_remote = to_remote.into_iter().map(|i| keys[i]).collect();
         PrefixMatch {
             tiers,
             admitted,

@@ -418,3 +418,24 @@ fn racing_writers_of_the_same_blocks_never_deadlock_and_every_waiter_gets_its_pi
         assert_eq!(t.stats().pinned_pages, 0, "round {round}");
     }
 }
+
+#[test]
+fn each_admission_threshold_is_reached_on_its_own_match() {
+    // The disk's filter (2 hits) and the remote tier's (3 hits) count the same hits.
+    let t = tier(16, EvictionKind::Lru);
+    let keys = chain(3, 77);
+    store_chain(&t, &keys);
+    let all = vec![0, 1, 2];
+    for (n, want) in [
+        (1, [vec![], vec![]]),
+        (2, [all.clone(), vec![]]),
+        (3, [vec![], all.clone()]),
+        (4, [vec![], vec![]]),
+    ] {
+        let (pages, reached) = t.match_prefix_counting(NS, &keys, [2, 3]);
+        assert_eq!(pages.len(), 3);
+        assert_eq!(reached, want, "match {n}");
+    }
+    // 0 admits nothing, whatever the count.
+    assert_eq!(t.match_prefix_counting(NS, &keys, [0]).1, [Vec::<usize>::new()]);
+}
