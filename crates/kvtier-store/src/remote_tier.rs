@@ -215,7 +215,7 @@ pub struct RemoteTierStats {
     pub written_bytes_total: u64,
     /// Nanoseconds spent writing them (summed over concurrent writes).
     pub write_busy_ns_total: u64,
-    /// Blocks not written, by reason (in [`DropReason::ALL`] order).
+    /// Blocks not written, by reason (indexed by `reason as usize`, [`DropReason::ALL`]'s order).
     pub dropped_writes_total: [u64; 4],
     /// Blocks waiting for their write now.
     pub pending_writes: u64,
@@ -230,7 +230,7 @@ pub struct RemoteTierStats {
 impl RemoteTierStats {
     /// Blocks not written for `reason`.
     pub fn dropped(&self, reason: DropReason) -> u64 {
-        self.dropped_writes_total[DropReason::ALL.iter().position(|r| *r == reason).unwrap_or(0)]
+        self.dropped_writes_total[reason as usize]
     }
 }
 
@@ -263,7 +263,7 @@ struct Inner {
     handle: tokio::runtime::Handle,
     /// Owned to be shut down without blocking when the tier is dropped (maybe on an async
     /// thread).
-    runtime: Mutex<Option<tokio::runtime::Runtime>>,
+    runtime: Option<tokio::runtime::Runtime>,
     conn: Mutex<Option<ClusterConnection>>,
     connected: AtomicBool,
     /// Until when (ms since `epoch`) the tier is skipped after a lookup or read failed or
@@ -294,7 +294,7 @@ impl std::fmt::Debug for Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        if let Some(rt) = self.runtime.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(rt) = self.runtime.take() {
             rt.shutdown_background();
         }
     }
@@ -417,7 +417,7 @@ impl RemoteTier {
             config: config.clone(),
             geometry,
             handle: runtime.handle().clone(),
-            runtime: Mutex::new(Some(runtime)),
+            runtime: Some(runtime),
             conn: Mutex::new(None),
             connected: AtomicBool::new(false),
             sick_until_ms: AtomicU64::new(0),
@@ -581,18 +581,13 @@ impl RemoteTier {
                         })
                     })
                     .collect();
-                let mut found = Vec::with_capacity(tasks.len());
+                // In order: the run ends at the first miss or failure (the batch's other
+                // lookups finish unread).
                 for t in tasks {
-                    found.push(match t.await {
-                        Ok(Ok(Ok(b))) => Ok(b),
-                        _ => Err(()),
-                    });
-                }
-                for f in &found {
-                    match f {
-                        Ok(true) => run += 1,
-                        Ok(false) => return Ok(run),
-                        Err(()) => return Err(run),
+                    match t.await {
+                        Ok(Ok(Ok(true))) => run += 1,
+                        Ok(Ok(Ok(false))) => return Ok(run),
+                        _ => return Err(run),
                     }
                 }
             }
@@ -670,7 +665,7 @@ impl RemoteTier {
                         all.notify_all();
                     }
                 });
-                (key, Mutex::new(rx))
+                Mutex::new(rx)
             })
             .collect();
         RemoteReads { slots, left }
@@ -713,43 +708,34 @@ impl RemoteTier {
             }
             Fetched::Value(v) => {
                 let len = self.inner.geometry.bytes_per_block();
+                let (payload, digest) =
+                    verify_header(&v, ns, key, len).map_err(|reason| self.corrupt(ns, key, reason))?;
                 let (dst_offset, _) = writer.layer_range(0)?;
-                let dst = writer.region();
                 // Hash each piece as it is copied, while it is still in cache: one pass over
                 // the value instead of two. The page is published only if the digest holds.
-                let checked = verify_header(&v, ns, key, len).and_then(|(payload, digest)| {
-                    let mut hash = kvtier_core::Xxh3Stream::new();
-                    for (i, piece) in payload.chunks(COPY_PIECE_BYTES).enumerate() {
-                        hash.update(piece);
-                        dst.write(dst_offset + i * COPY_PIECE_BYTES, piece)
-                            .map_err(|_| "host page")?;
-                    }
-                    if hash.digest() == digest {
-                        Ok(())
-                    } else {
-                        Err("payload checksum")
-                    }
-                });
-                match checked {
-                    Ok(()) => {
-                        c.hits.fetch_add(1, Ordering::Relaxed);
-                        c.read_bytes.fetch_add(len as u64, Ordering::Relaxed);
-                        Ok(())
-                    }
-                    Err("host page") => Err(dst.check_range(dst_offset, len).err().unwrap_or_else(|| {
-                        remote_err("read", format!("block {key}: the host page could not be written"))
-                    })),
-                    Err(reason) => {
-                        c.corrupt.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(%key, reason, "remote value does not verify; treated as a miss");
-                        Err(StoreError::CorruptBlock {
-                            key,
-                            path: format!("remote:{}", self.key(ns, key)).into(),
-                            reason: reason.into(),
-                        })
-                    }
+                let mut hash = kvtier_core::Xxh3Stream::new();
+                for (i, piece) in payload.chunks(COPY_PIECE_BYTES).enumerate() {
+                    hash.update(piece);
+                    writer.region().write(dst_offset + i * COPY_PIECE_BYTES, piece)?;
                 }
+                if hash.digest() != digest {
+                    return Err(self.corrupt(ns, key, "payload checksum"));
+                }
+                c.hits.fetch_add(1, Ordering::Relaxed);
+                c.read_bytes.fetch_add(len as u64, Ordering::Relaxed);
+                Ok(())
             }
+        }
+    }
+
+    /// A value that does not verify: counted, logged, a miss.
+    fn corrupt(&self, ns: NamespaceFingerprint, key: BlockKey, reason: &str) -> StoreError {
+        self.inner.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(%key, reason, "remote value does not verify; treated as a miss");
+        StoreError::CorruptBlock {
+            key,
+            path: format!("remote:{}", self.key(ns, key)).into(),
+            reason: reason.into(),
         }
     }
 
@@ -838,8 +824,7 @@ impl RemoteTier {
     }
 
     fn dropped(&self, reason: DropReason) -> DropReason {
-        let i = DropReason::ALL.iter().position(|r| *r == reason).unwrap_or(0);
-        self.inner.counters.dropped[i].fetch_add(1, Ordering::Relaxed);
+        self.inner.counters.dropped[reason as usize].fetch_add(1, Ordering::Relaxed);
         reason
     }
 
@@ -1081,30 +1066,12 @@ enum Fetched {
 pub struct RemoteReads {
     /// One receiver per block (behind a lock so the handle can be shared by workers).
     #[allow(clippy::type_complexity)]
-    slots: Vec<(
-        BlockKey,
-        Mutex<std::sync::mpsc::Receiver<(PageWriter, Result<(), StoreError>)>>,
-    )>,
+    slots: Vec<Mutex<std::sync::mpsc::Receiver<(PageWriter, Result<(), StoreError>)>>>,
     /// Reads not ended yet, and their waiters ([`RemoteReads::wait_all`]).
     left: Arc<(Mutex<usize>, Condvar)>,
 }
 
 impl RemoteReads {
-    /// Blocks started.
-    pub fn len(&self) -> usize {
-        self.slots.len()
-    }
-
-    /// Whether no block was started.
-    pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
-    }
-
-    /// The key of block `i`.
-    pub fn key(&self, i: usize) -> BlockKey {
-        self.slots[i].0
-    }
-
     /// Waits for block `i`'s read and hands its page back with the outcome: `Ok` if the page
     /// now holds the block, verified (publish it); otherwise [`StoreError::NotFound`] (absent,
     /// or the tier unavailable), [`StoreError::CorruptBlock`] (did not verify; counted) or
@@ -1114,7 +1081,7 @@ impl RemoteReads {
     /// # Blocking
     /// Until its GET ends: at most the tier's `timeout_ms` after it started.
     pub fn wait(&self, i: usize) -> Option<(PageWriter, Result<(), StoreError>)> {
-        lock(&self.slots[i].1).recv().ok()
+        lock(&self.slots[i]).recv().ok()
     }
 
     /// Blocks until every read has ended (each within the tier's `timeout_ms` of its start):

@@ -40,9 +40,11 @@ pub fn remote_key_pattern(prefix: &str, ns: Option<NamespaceFingerprint>) -> Str
     }
 }
 
-/// Header + `payload` as one value.
+/// Header + `payload` as one value (the tier writes the two straight from the host page into
+/// its command instead; this is the reference the tests use).
 ///
 /// Cost: allocates and copies `payload.len() + 64` bytes; one xxh3 pass over the payload.
+#[cfg(test)]
 pub fn encode_value(ns: NamespaceFingerprint, key: BlockKey, payload: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(REMOTE_HEADER_BYTES + payload.len());
     out.extend_from_slice(&encode_header(ns, key, payload.len() as u64, xxh3_64(payload)));
@@ -73,7 +75,9 @@ pub fn encode_header(
 /// The payload of `value` if it is block `key` of `ns` with exactly `len` bytes and every
 /// checksum holds; otherwise what did not match.
 ///
-/// Cost: one xxh3 pass over the payload; no copy.
+/// Cost: one xxh3 pass over the payload; no copy. (The tier checks the digest while it
+/// copies instead: [`verify_header`]; this is the reference the tests use.)
+#[cfg(test)]
 pub fn verify_value(
     value: &[u8],
     ns: NamespaceFingerprint,

@@ -57,6 +57,14 @@ fn stored(host: &HostTier, ns: NamespaceFingerprint, keys: &[BlockKey]) -> Vec<P
         .collect()
 }
 
+/// Stores `keys`' bytes in `h` and writes them to the cluster, waiting until they are there.
+fn publish(remote: &RemoteTier, h: &HostTier, ns: NamespaceFingerprint, keys: &[BlockKey]) {
+    for p in stored(h, ns, keys) {
+        remote.write_behind(ns, p).unwrap();
+    }
+    assert!(remote.flush(Duration::from_secs(20)));
+}
+
 fn config(nodes: &[String]) -> RemoteTierConfig {
     RemoteTierConfig {
         nodes: nodes.to_vec(),
@@ -102,10 +110,7 @@ fn blocks_round_trip_bit_exact_and_every_fault_is_a_counted_miss() {
     assert!(remote.connected());
     let h = host();
     let ks = keys(12, 1);
-    for p in stored(&h, NS, &ks) {
-        remote.write_behind(NS, p).unwrap();
-    }
-    assert!(remote.flush(Duration::from_secs(20)));
+    publish(&remote, &h, NS, &ks);
     let s = remote.stats();
     assert_eq!((s.written_blocks_total, s.pending_writes), (12, 0));
     assert_eq!(h.stats().pinned_pages, 0, "written pages are unpinned");
@@ -163,10 +168,7 @@ fn blocks_round_trip_bit_exact_and_every_fault_is_a_counted_miss() {
 
     // Clear by namespace removes this namespace's blocks and nothing else.
     let other_keys = keys(3, 99);
-    for p in stored(&h, OTHER, &other_keys) {
-        remote.write_behind(OTHER, p).unwrap();
-    }
-    assert!(remote.flush(Duration::from_secs(20)));
+    publish(&remote, &h, OTHER, &other_keys);
     assert_eq!(remote.clear(Some(NS)).unwrap(), 12);
     assert_eq!(remote.match_run(NS, &ks), 0);
     assert_eq!(remote.match_run(OTHER, &other_keys), 3);
@@ -232,10 +234,7 @@ fn wrong_credentials_are_an_error_at_start_and_right_ones_connect() {
     assert!(remote.connected());
     let h = host();
     let ks = keys(2, 5);
-    for p in stored(&h, NS, &ks) {
-        remote.write_behind(NS, p).unwrap();
-    }
-    assert!(remote.flush(Duration::from_secs(20)));
+    publish(&remote, &h, NS, &ks);
     assert_eq!(remote.match_run(NS, &ks), 2);
 }
 
@@ -258,10 +257,7 @@ fn a_master_that_stops_answering_costs_one_timeout_then_the_tier_is_skipped_unti
     let remote = RemoteTier::open(geo(), &cfg).unwrap();
     let h = host();
     let ks = keys(12, 7);
-    for p in stored(&h, NS, &ks) {
-        remote.write_behind(NS, p).unwrap();
-    }
-    assert!(remote.flush(Duration::from_secs(20)));
+    publish(&remote, &h, NS, &ks);
     let port = cluster.master_of(&remote_key(&cfg.key_prefix, NS, ks[0]));
     let pid = cluster.pid(port).expect("the master's pid") as i32;
     // SAFETY: kill(2) with a pid and a signal number; no memory is involved.
@@ -325,10 +321,7 @@ fn a_tls_cluster_is_reached_with_its_ca_and_refused_without_it() {
     assert!(remote.connected());
     let h = host();
     let ks = keys(6, 11);
-    for p in stored(&h, NS, &ks) {
-        remote.write_behind(NS, p).unwrap();
-    }
-    assert!(remote.flush(Duration::from_secs(20)));
+    publish(&remote, &h, NS, &ks);
     assert_eq!(remote.match_run(NS, &ks), 6);
     for (k, got) in ks.iter().zip(read_back(&remote, NS, &ks)) {
         assert_eq!(got.unwrap(), bytes_of(*k));
@@ -361,10 +354,7 @@ fn a_cluster_that_comes_up_after_the_tier_opened_is_connected_by_the_retries() {
     }
     let h = host();
     let ks = keys(4, 21);
-    for p in stored(&h, NS, &ks) {
-        remote.write_behind(NS, p).unwrap();
-    }
-    assert!(remote.flush(Duration::from_secs(20)));
+    publish(&remote, &h, NS, &ks);
     assert_eq!(remote.match_run(NS, &ks), 4);
     drop(cluster);
 }
