@@ -209,6 +209,17 @@ fn a_prefix_stored_on_one_node_is_a_remote_hit_on_another_and_loads_bit_exact() 
         assert_eq!(s["routes"]["remote_to_host"]["blocks_total"], 24);
         let s: serde_json::Value = serde_json::from_str(&a.stats().await.unwrap().json).unwrap();
         assert_eq!(s["routes"]["host_to_remote"]["blocks_total"], 24);
+        // A clear of every tier leaves the fleet's; naming it removes the prefix for every node.
+        assert_eq!(a.clear(&ha, "", false, None).await.unwrap().remote_blocks, 0);
+        assert_eq!(
+            b.clear(&hb, "", false, Some(Tier::Remote))
+                .await
+                .unwrap()
+                .remote_blocks,
+            24
+        );
+        a.clear(&ha, "", false, Some(Tier::Host)).await.unwrap();
+        assert_eq!(a.match_tokens(&ha, "", &tokens).await.unwrap().matched_tokens, 0);
     });
 }
 

@@ -492,7 +492,7 @@ async fn clear_forgets_a_namespace() {
     }
     let h = e.handle.clone();
     let r = e.client.clear(&h, "a", false, None).await.unwrap();
-    assert_eq!(r, (4, 0));
+    assert_eq!((r.host_blocks, r.disk_blocks, r.remote_blocks), (4, 0, 0));
     let err = e
         .client
         .clear(&h, "a", false, Some(Tier::Device))
@@ -518,8 +518,18 @@ async fn clear_forgets_a_namespace() {
     // Host memory only: the blocks of "b" go (there is no disk tier to keep them).
     assert_eq!(
         e.client.clear(&h, "b", false, Some(Tier::Host)).await.unwrap(),
-        (4, 0)
+        kvtier_client::proto::ClearResponse {
+            host_blocks: 4,
+            ..Default::default()
+        }
     );
+    // The fleet's shared tier is cleared only by name, and this sidecar has none.
+    let err = e
+        .client
+        .clear(&h, "b", false, Some(Tier::Remote))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("remote.nodes"), "{err}");
     drop(e);
     sidecar.stop().await;
 }

@@ -501,7 +501,8 @@ impl Client {
 
     /// Forgets the blocks of `salt`'s namespace of `pool` (or of every namespace with `all`)
     /// in `tier` (`None`: every tier; the sidecar refuses [`Tier::Device`], which it does not
-    /// hold). Returns (host blocks, disk blocks) removed.
+    /// hold; [`Tier::Remote`] clears the fleet's shared tier, which `None` leaves alone). Returns
+    /// what was removed from each tier and the pinned blocks kept.
     ///
     /// # Errors
     /// The sidecar's status.
@@ -515,8 +516,8 @@ impl Client {
         salt: &str,
         all: bool,
         tier: Option<Tier>,
-    ) -> Result<(u64, u64), ClientError> {
-        let r = self
+    ) -> Result<proto::ClearResponse, ClientError> {
+        Ok(self
             .rpc
             .clear(proto::ClearRequest {
                 session_id: self.session_id,
@@ -526,8 +527,7 @@ impl Client {
                 tier: tier.map_or(proto::Tier::Unspecified, proto::Tier::from) as i32,
             })
             .await?
-            .into_inner();
-        Ok((r.host_blocks, r.disk_blocks))
+            .into_inner())
     }
 
     /// The sidecar's counters.

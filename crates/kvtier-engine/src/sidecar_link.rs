@@ -585,9 +585,10 @@ impl SidecarLink {
     pub fn clear(&mut self, tier: Option<Tier>) -> Result<(u64, u64), LinkError> {
         let conn = self.conn.as_ref().ok_or(LinkError::NotConnected)?;
         let (mut c, p) = (conn.client.clone(), conn.pool.clone());
-        Ok(self
+        let r = self
             .rt
-            .block_on(async move { c.clear(&p, "", true, tier).await })?)
+            .block_on(async move { c.clear(&p, "", true, tier).await })?;
+        Ok((r.host_blocks, r.disk_blocks))
     }
 
     /// The sidecar's statistics snapshot (JSON).

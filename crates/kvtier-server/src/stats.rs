@@ -88,23 +88,21 @@ impl Snapshot {
         counter!(m::CORRUPT_BLOCKS, "tier" => Tier::Disk.name()).absolute(d.map_or(0, |d| d.corrupt_total));
         // Without a remote tier its series exist at zero, so every family is listed.
         let r = self.tiers.remote.unwrap_or_default();
-        {
-            for reason in kvtier_store::DropReason::ALL {
-                counter!(m::DROPPED_REMOTE_WRITES, "reason" => reason.name()).absolute(r.dropped(reason));
-            }
-            for (outcome, n) in [
-                ("hit", r.hits_total),
-                ("miss", r.misses_total),
-                ("corrupt", r.corrupt_total),
-                ("timeout", r.read_timeouts_total),
-                ("error", r.read_errors_total),
-            ] {
-                counter!(m::REMOTE_READS, "outcome" => outcome).absolute(n);
-            }
-            counter!(m::CORRUPT_BLOCKS, "tier" => Tier::Remote.name()).absolute(r.corrupt_total);
-            gauge!(m::REMOTE_PENDING_WRITES).set(r.pending_writes as f64);
-            gauge!(m::REMOTE_CONNECTED).set(if r.connected { 1.0 } else { 0.0 });
+        for reason in kvtier_store::DropReason::ALL {
+            counter!(m::DROPPED_REMOTE_WRITES, "reason" => reason.name()).absolute(r.dropped(reason));
         }
+        for (outcome, n) in [
+            ("hit", r.hits_total),
+            ("miss", r.misses_total),
+            ("corrupt", r.corrupt_total),
+            ("timeout", r.read_timeouts_total),
+            ("error", r.read_errors_total),
+        ] {
+            counter!(m::REMOTE_READS, "outcome" => outcome).absolute(n);
+        }
+        counter!(m::CORRUPT_BLOCKS, "tier" => Tier::Remote.name()).absolute(r.corrupt_total);
+        gauge!(m::REMOTE_PENDING_WRITES).set(r.pending_writes as f64);
+        gauge!(m::REMOTE_CONNECTED).set(if r.connected { 1.0 } else { 0.0 });
         gauge!(m::PINNED_BLOCKS).set(h.pinned_pages as f64);
         gauge!(m::SESSIONS).set(self.sessions.sessions as f64);
         gauge!(m::POOLS).set(self.sessions.pools as f64);

@@ -77,16 +77,13 @@ pub(super) async fn run_one(
             warm(2).await?;
             target.call("POST", "/flush_cache", None).await?;
             let want = before + (prefix_tokens / bt) as u64;
-            let start = Instant::now();
-            while target.disk_entries().await? < want {
-                if start.elapsed() > Duration::from_secs(120) {
-                    return Err(err(format!(
-                        "the sidecar's disk tier holds {} blocks, {want} expected: the disk scenario needs a disk tier and a write policy that persists the prefix",
-                        target.disk_entries().await?
-                    )));
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            poll_until(async || {
+                let have = target.disk_entries().await?;
+                Ok((have < want).then(|| format!(
+                    "the sidecar's disk tier holds {have} blocks, {want} expected: the disk scenario needs a disk tier and a write policy that persists the prefix"
+                )))
+            })
+            .await?;
             target
                 .call("POST", "/kvtier/clear", Some(json!({"tier": "host"})))
                 .await?;
@@ -101,19 +98,13 @@ pub(super) async fn run_one(
             peer.set_reuse("tiered").await?;
             warm_request(peer, prompt(900), tick).await?;
             let want = before + (prefix_tokens / bt) as u64;
-            let start = Instant::now();
-            loop {
+            poll_until(async || {
                 let (written, pending) = peer.remote_writes().await?;
-                if written >= want && pending == 0 {
-                    break;
-                }
-                if start.elapsed() > Duration::from_secs(120) {
-                    return Err(err(format!(
-                        "node A's sidecar wrote {written} blocks to the remote tier, {want} expected ({pending} pending)"
-                    )));
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+                Ok((written < want || pending > 0).then(|| {
+                    format!("node A's sidecar wrote {written} blocks to the remote tier, {want} expected ({pending} pending)")
+                }))
+            })
+            .await?;
             // Node B has it in no tier of its own: only the remote tier can serve it.
             target.set_reuse("kvtier").await?;
         }
@@ -166,6 +157,21 @@ pub(super) async fn run_one(
         );
     }
     Ok(summarize(scenario, batch, num, config, prefix_tokens, &records))
+}
+
+/// Asks `check` every 20 ms until it answers `None` (done); `Some(why)` means not yet, and
+/// after 120 s that is the error.
+async fn poll_until(
+    mut check: impl AsyncFnMut() -> Result<Option<String>, BenchError>,
+) -> Result<(), BenchError> {
+    let start = Instant::now();
+    while let Some(why) = check().await? {
+        if start.elapsed() > Duration::from_secs(120) {
+            return Err(err(why));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
 }
 
 /// One unmeasured request of `prompt` (one token generated) that leaves its prefix cached.
