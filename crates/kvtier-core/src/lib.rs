@@ -6,6 +6,7 @@
 //! - [`BlockKey`] and [`BlockHasher`]: the 128-bit chained prefix hash that addresses a block
 //!   everywhere (see `docs/block-keys.md` and the published vectors in `vectors/`).
 //! - [`xxh3_64`]: the checksum of stored bytes.
+//! - [`PoolLayout`]: where an engine keeps K and V of each slot (kvtier, vLLM, SGLang layouts).
 //! - [`ByteSize`]: human byte sizes (`512MiB`, `2GiB`) for configuration and flags.
 #![warn(missing_docs)]
 
@@ -16,6 +17,7 @@ mod error;
 mod geometry;
 mod namespace;
 pub mod optional_setting;
+mod pool_layout;
 mod secret;
 mod tier;
 
@@ -25,5 +27,6 @@ pub use checksum::{Xxh3Stream, xxh3_64};
 pub use error::{CoreError, ErrorKind};
 pub use geometry::{Dtype, KvGeometry};
 pub use namespace::{Namespace, NamespaceFingerprint};
+pub use pool_layout::{LayerLayout, LayoutError, LayoutKind, PoolLayout};
 pub use secret::{REDACTED, Secret};
 pub use tier::Tier;

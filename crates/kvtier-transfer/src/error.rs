@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use kvtier_core::{CoreError, ErrorKind, KvGeometry};
+use kvtier_core::{CoreError, ErrorKind, KvGeometry, LayoutError};
 use kvtier_store::StoreError;
 
 /// Why a pool operation or a transfer request failed. Every variant names the offending value.
@@ -105,6 +105,27 @@ pub enum TransferError {
     /// A durable store on a sidecar whose disk tier is off (or never written).
     #[error("a durable store needs a disk tier that is written: {0}")]
     NoDiskTier(&'static str),
+    /// A pool layout that does not fit the pool's memory or geometry (the field is named).
+    #[error("invalid pool layout: {0}")]
+    Layout(#[from] LayoutError),
+    /// A device kind this process cannot use (no CUDA driver, say); the reason says why.
+    #[error("{device} pools are not available: {reason}")]
+    DeviceUnavailable {
+        /// `cuda`.
+        device: &'static str,
+        /// Why not (library not found, no device, driver too old).
+        reason: String,
+    },
+    /// A device operation that failed (a CUDA call, naming it and the driver's error).
+    #[error("{device} error in {op}: {reason}")]
+    Device {
+        /// `cuda`.
+        device: &'static str,
+        /// The call or step that failed.
+        op: String,
+        /// The driver's error.
+        reason: String,
+    },
 }
 
 impl TransferError {
@@ -115,16 +136,18 @@ impl TransferError {
             TransferError::Core(e) => e.kind(),
             TransferError::SlotOutOfRange { .. }
             | TransferError::DuplicateSlot { .. }
-            | TransferError::EmptyRequest { .. } => ErrorKind::InvalidArgument,
+            | TransferError::EmptyRequest { .. }
+            | TransferError::Layout(_) => ErrorKind::InvalidArgument,
             TransferError::GeometryMismatch { .. }
             | TransferError::NotAPool { .. }
             | TransferError::SlotCountMismatch { .. }
             | TransferError::PoolUnusable { .. }
             | TransferError::NoSlots
-            | TransferError::NoDiskTier(_) => ErrorKind::FailedPrecondition,
+            | TransferError::NoDiskTier(_)
+            | TransferError::DeviceUnavailable { .. } => ErrorKind::FailedPrecondition,
             TransferError::QueueFull { .. } => ErrorKind::ResourceExhausted,
             TransferError::Cancelled => ErrorKind::Cancelled,
-            TransferError::Spawn(_) => ErrorKind::Internal,
+            TransferError::Spawn(_) | TransferError::Device { .. } => ErrorKind::Internal,
             TransferError::DeadlineExceeded => ErrorKind::DeadlineExceeded,
             TransferError::WouldBlock | TransferError::ShutDown => ErrorKind::Unavailable,
         }

@@ -1,8 +1,9 @@
 //! kvtier-transfer: moving KV blocks between an engine's device pool and the host tier.
 //!
-//! - [`DevicePool`]: the engine's paged KV memory; [`CpuDevicePool`] is the shared-memory one
-//!   (layout per layer `[slot][K|V][token][head][dim]`), created by the engine and opened by
-//!   the sidecar by path.
+//! - [`DevicePool`]: the engine's paged KV memory, described by a [`kvtier_core::PoolLayout`]
+//!   and copied in batches of one layer ([`DevicePool::submit`], completing through a
+//!   [`CopyTicket`]); [`CpuDevicePool`] is the shared-memory one (kvtier's pool file, or any
+//!   layout), created by the engine and opened by the sidecar by path.
 //! - [`TransferQueues`]: the full-duplex pair — [`LoadQueue`] (host → device, layer by layer,
 //!   with an event per finished layer) and [`StoreQueue`] (device → host, bounded, dropping
 //!   with a counted reason rather than stalling loads) — each on its own OS threads, each
@@ -10,6 +11,7 @@
 //!   ([`TransferTiming`]).
 #![warn(missing_docs)]
 
+mod cpu_pool;
 mod device_pool;
 mod disk_io_gate;
 mod error;
@@ -28,7 +30,8 @@ pub mod conformance;
 #[cfg(feature = "test-util")]
 pub mod test_util;
 
-pub use device_pool::{CpuDevicePool, DevicePool, POOL_HEADER_BYTES};
+pub use cpu_pool::{CpuDevicePool, POOL_HEADER_BYTES};
+pub use device_pool::{CopyDirection, CopyTicket, DevicePool, PendingCopies, SlotCopy};
 pub use error::TransferError;
 pub use event_sink::EventSink;
 pub use load_queue::{InflightBlocks, LoadBlock, LoadEvent, LoadHandle, LoadQueue, LoadReport, LoadTicket};

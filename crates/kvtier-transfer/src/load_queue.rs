@@ -18,7 +18,7 @@ use crate::route::{Route, Routes};
 use crate::transfer_job::{CancelOnDrop, ChunkPlan, Continuation, JobCore, lock, validate_request};
 use crate::transfer_timing::TransferTiming;
 use crate::worker_threads::{ChunkedJob, WorkerHandle};
-use crate::{DevicePool, TransferConfig, TransferError};
+use crate::{CopyDirection, DevicePool, TransferConfig, TransferError};
 
 /// One block to load: block `key` into device `slot`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -325,7 +325,7 @@ impl LoadQueue {
             pool: Arc::clone(pool),
             host: host.clone(),
             layer_bytes: geometry.bytes_per_block_layer(),
-            chunk_bytes: self.core.chunk_bytes,
+            chunk_bytes: pool.batch_bytes().unwrap_or(self.core.chunk_bytes),
             events,
             counters: Arc::clone(&self.core.counters),
             routes: Arc::clone(&self.core.routes),
@@ -647,12 +647,17 @@ impl ChunkedJob for LoadJob {
 
     fn run(&self, chunk: usize) {
         let region = self.request.host.region();
-        let last = self.core.run_chunk(
+        let last = self.core.run_chunk_batch(
             chunk,
-            |b, layer| {
-                let (slot, page_offset) = self.copies[b];
-                let offset = page_offset + layer as usize * self.request.layer_bytes;
-                self.request.pool.copy_in(slot, layer, region, offset)
+            |layer, range| {
+                JobCore::copy_batch(
+                    &*self.request.pool,
+                    CopyDirection::HostToDevice,
+                    region,
+                    layer,
+                    self.request.layer_bytes,
+                    &self.copies[range],
+                )
             },
             |layer| self.layer_finished(layer),
         );

@@ -19,7 +19,7 @@ use crate::route::{Route, Routes};
 use crate::transfer_job::{CancelOnDrop, ChunkPlan, Continuation, JobCore, lock, validate_request};
 use crate::transfer_timing::TransferTiming;
 use crate::worker_threads::{ChunkedJob, WorkerHandle};
-use crate::{DevicePool, TransferConfig, TransferError};
+use crate::{CopyDirection, DevicePool, TransferConfig, TransferError};
 
 /// One block to store: device `slot` holds block `key`, whose prefix block is `parent`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -304,7 +304,7 @@ impl StoreQueue {
             copies.len(),
             geometry.layers(),
             geometry.bytes_per_block_layer(),
-            self.core.chunk_bytes,
+            pool.batch_bytes().unwrap_or(self.core.chunk_bytes),
         );
         let parts = self.core.start(submitted, Arc::clone(&cancel), inflight);
         self.core.launch(Arc::new(StoreJob {
@@ -452,15 +452,16 @@ impl ChunkedJob for StoreJob {
 
     fn run(&self, chunk: usize) {
         let region = self.host.region();
-        let last = self.core.run_chunk(
+        let last = self.core.run_chunk_batch(
             chunk,
-            |b, layer| {
-                let (slot, page_offset) = self.copies[b];
-                self.pool.copy_out(
-                    slot,
-                    layer,
+            |layer, range| {
+                JobCore::copy_batch(
+                    &*self.pool,
+                    CopyDirection::DeviceToHost,
                     region,
-                    page_offset + layer as usize * self.layer_bytes,
+                    layer,
+                    self.layer_bytes,
+                    &self.copies[range],
                 )
             },
             |_| {},

@@ -5,7 +5,9 @@
 
 use std::sync::Arc;
 
-use kvtier_core::{BlockHasher, BlockKey, ByteSize, KvGeometry, NamespaceFingerprint};
+use kvtier_core::{
+    BlockHasher, BlockKey, ByteSize, KvGeometry, LayoutKind, NamespaceFingerprint, PoolLayout,
+};
 use kvtier_store::{
     DiskTier, DiskTierConfig, EvictionKind, HostTier, HostTierConfig, TieredStore, WritePolicy,
 };
@@ -144,8 +146,24 @@ pub fn rig_with_disk(
 impl Rig {
     /// A rig over `store`, with a pool of `slots` slots and queues made from `config`.
     pub fn new(store: TieredStore, slots: u32, config: &TransferConfig) -> Rig {
+        Self::with_layout(store, slots, LayoutKind::Kvtier, config)
+    }
+
+    /// As [`Rig::new`], with the device pool in an engine's layout (kvtier's own is its pool
+    /// file format; vLLM's and SGLang's are headerless memory laid out as those engines do).
+    pub fn with_layout(store: TieredStore, slots: u32, layout: LayoutKind, config: &TransferConfig) -> Rig {
         let geometry = *store.geometry();
-        let pool = Arc::new(CpuDevicePool::create(None, geometry, slots).unwrap());
+        let pool = match layout {
+            LayoutKind::Kvtier => CpuDevicePool::create(None, geometry, slots),
+            kind => CpuDevicePool::create_with_layout(
+                None,
+                geometry,
+                slots,
+                PoolLayout::of_kind(kind, &geometry, slots, 0),
+                PoolLayout::kind_bytes(&geometry, slots, 0) as usize,
+            ),
+        };
+        let pool = Arc::new(pool.unwrap());
         Rig {
             geometry,
             host: store.host().clone(),

@@ -11,7 +11,7 @@ use kvtier_core::KvGeometry;
 
 use crate::transfer_timing::{TimingRecorder, TransferTiming};
 use crate::worker_threads::JobToken;
-use crate::{DevicePool, TransferError};
+use crate::{CopyDirection, DevicePool, SlotCopy, TransferError};
 
 /// How a job's block-layer copies are cut into chunks: layer-major (every chunk of layer 0,
 /// then layer 1, …) so that layers complete in order, `per_chunk` blocks per chunk so that
@@ -175,16 +175,31 @@ impl JobCore {
         (c < self.plan.total()).then_some(c)
     }
 
-    /// Runs `copy(block_index, layer)` for every block of chunk `c` (unless the job was
-    /// cancelled or already failed) and records the timing; if the chunk completed its layer,
-    /// calls `layer_done(layer)`. Returns whether it was the job's last chunk.
-    ///
-    /// `layer_done` runs before the chunk counts as finished, so the thread that finishes the
-    /// job knows every layer report has been made: a "layer ready" can never follow "done".
+    /// Runs `copy(block_index, layer)` for every block of chunk `c`; as
+    /// [`JobCore::run_chunk_batch`].
     pub(crate) fn run_chunk(
         &self,
         c: usize,
         mut copy: impl FnMut(usize, u32) -> Result<(), TransferError>,
+        layer_done: impl FnOnce(u32),
+    ) -> bool {
+        self.run_chunk_batch(
+            c,
+            |layer, range| range.into_iter().try_for_each(|b| copy(b, layer)),
+            layer_done,
+        )
+    }
+
+    /// Runs `copy(layer, block_range)` for chunk `c` (unless the job was cancelled or already
+    /// failed) and records the timing; if the chunk completed its layer, calls
+    /// `layer_done(layer)`. Returns whether it was the job's last chunk.
+    ///
+    /// `layer_done` runs before the chunk counts as finished, so the thread that finishes the
+    /// job knows every layer report has been made: a "layer ready" can never follow "done".
+    pub(crate) fn run_chunk_batch(
+        &self,
+        c: usize,
+        copy: impl FnOnce(u32, Range<usize>) -> Result<(), TransferError>,
         layer_done: impl FnOnce(u32),
     ) -> bool {
         let (layer, range) = self.plan.locate(c);
@@ -192,7 +207,7 @@ impl JobCore {
             self.skipped.store(true, Ordering::Release);
         } else {
             let start = Instant::now();
-            let result = range.into_iter().try_for_each(|b| copy(b, layer));
+            let result = copy(layer, range);
             let end = Instant::now();
             self.timing.record(start, end);
             self.own.record(start, end);
@@ -204,6 +219,26 @@ impl JobCore {
             layer_done(layer);
         }
         self.remaining.fetch_sub(1, Ordering::AcqRel) == 1
+    }
+
+    /// Submits the device copies of `copies[range]` (device slot, host page offset) for
+    /// `layer` in one batch and waits for them to land.
+    pub(crate) fn copy_batch(
+        pool: &dyn DevicePool,
+        direction: CopyDirection,
+        host: &kvtier_store::ShmRegion,
+        layer: u32,
+        layer_bytes: usize,
+        copies: &[(u32, usize)],
+    ) -> Result<(), TransferError> {
+        let batch: Vec<SlotCopy> = copies
+            .iter()
+            .map(|&(slot, page_offset)| SlotCopy {
+                slot,
+                host_offset: page_offset + layer as usize * layer_bytes,
+            })
+            .collect();
+        pool.submit(direction, layer, host, &batch)?.wait()
     }
 
     /// Nanoseconds this job's chunks spent copying.

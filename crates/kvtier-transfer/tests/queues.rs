@@ -5,7 +5,8 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use kvtier_core::{ByteSize, Dtype, KvGeometry};
+use kvtier_core::{ByteSize, Dtype, KvGeometry, LayoutKind};
+use kvtier_store::{EvictionKind, HostTier, TieredStore};
 use kvtier_transfer::{
     CpuDevicePool, DevicePool, LoadBlock, LoadEvent, StoreBlock, TransferConfig, TransferError,
 };
@@ -14,9 +15,11 @@ use proptest::prelude::*;
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
-    /// device → host → device is bit-exact for any geometry, block count and chunking.
+    /// device → host → device is bit-exact for any geometry, engine layout, block count and
+    /// chunking.
     #[test]
     fn round_trip_is_bit_exact_over_geometries(
+        layout in prop::sample::select(LayoutKind::ALL.to_vec()),
         layers in 1u32..5,
         kv_heads in 1u32..5,
         head_dim in prop::sample::select(vec![8u32, 64, 80, 128]),
@@ -27,12 +30,14 @@ proptest! {
         threads in 1usize..4,
     ) {
         let g = KvGeometry::new(layers, kv_heads, head_dim, dtype, block_tokens).unwrap();
-        let r = rig(g, 2 * n as u64, 2 * n as u32, TransferConfig {
+        let config = TransferConfig {
             load_threads: threads,
             store_threads: threads,
             chunk_bytes: ByteSize::kib(chunk_kib),
             ..Default::default()
-        });
+        };
+        let host = HostTier::new(g, &host_config(g, 2 * n as u64, EvictionKind::S3fifo)).unwrap();
+        let r = Rig::with_layout(TieredStore::host_only(host), 2 * n as u32, layout, &config);
         let ks = keys(n, layers * 1000 + n as u32, block_tokens);
         r.write_slots(&ks, 0);
         let report = r.queues.store.submit(&r.dyn_pool, &r.store, NS, &chain_blocks(&ks, 0)).unwrap().wait().unwrap();
