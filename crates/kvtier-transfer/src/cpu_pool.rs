@@ -10,6 +10,10 @@ use kvtier_store::{Prefault, ShmRegion, StoreError};
 
 use crate::{CopyDirection, CopyTicket, DevicePool, SlotCopy, TransferError};
 
+/// A block-layer's pieces, `(pool offset, offset in the block-layer, len)`, and how many of the
+/// two are used.
+type BlockPieces = ([(usize, usize, usize); 2], usize);
+
 const POOL_MAGIC: &[u8; 8] = b"KVTPOOL\0";
 const POOL_VERSION: u32 = 1;
 /// Bytes before the first layer: the header, padded so slots stay 4 KiB aligned.
@@ -206,9 +210,8 @@ impl CpuDevicePool {
         self.region.path()
     }
 
-    /// The pieces of block-layer (`slot`, `layer`): `(pool offset, offset in the block-layer,
-    /// len)`, one piece when V follows K, two otherwise.
-    fn pieces(&self, slot: u32, layer: u32) -> Result<([(usize, usize, usize); 2], usize), TransferError> {
+    /// The pieces of block-layer (`slot`, `layer`), one when V follows K, two otherwise.
+    fn pieces(&self, slot: u32, layer: u32) -> Result<BlockPieces, TransferError> {
         self.check_slot(slot)?;
         self.check_layer(layer)?;
         let bl = self.geometry.bytes_per_block_layer();
