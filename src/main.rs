@@ -8,10 +8,11 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvtier_bench::{
-    MatchBenchConfig, OffloadConfig, ProgressBar, RecoveryConfig, SidecarTarget, run_match, run_offload,
-    run_offload_sidecar, run_recovery,
+    BenchDevice, MatchBenchConfig, OffloadConfig, ProgressBar, RecoveryConfig, SidecarTarget, run_match,
+    run_offload, run_offload_sidecar, run_recovery,
 };
-use kvtier_core::{BlockHasher, ByteSize, KvGeometry, Namespace, Tier};
+use kvtier_core::{BlockHasher, ByteSize, KvGeometry, LayoutKind, Namespace, Tier};
+use kvtier_cuda::CopyMethod;
 use kvtier_server::ServerConfig;
 use kvtier_store::{DirectIo, DiskTierConfig, EvictionKind};
 use kvtier_transfer::TransferConfig;
@@ -212,6 +213,18 @@ struct OffloadArgs {
     /// or off.
     #[arg(long, default_value = "auto")]
     direct_io: DirectIo,
+    /// Where the device pool lives: `cpu` (shared memory) or `cuda` (GPU 0's memory, copied
+    /// over PCIe; adds the pinned cudaMemcpyAsync baselines and ratios to the output).
+    #[arg(long, default_value = "cpu")]
+    device: BenchDevice,
+    /// The device pool's layout: `kvtier` ([slot][K|V]), `vllm` (per layer [2, blocks, …]: K
+    /// and V planes apart) or `sglang` (a K and a V buffer per layer).
+    #[arg(long, default_value = "kvtier")]
+    layout: LayoutKind,
+    /// With --device cuda: `auto` (the copy kernel where K and V are apart, cudaMemcpyAsync
+    /// otherwise), `memcpy` or `kernel`.
+    #[arg(long, default_value = "auto")]
+    cuda_copy: CopyMethod,
     /// Run the workload through a gRPC sidecar instead, as an engine process would, and also
     /// in-process in the same run, and print both and their ratio: `spawn` (start `kvtier
     /// serve` as a child with matching settings), `in-process`, or the URL of a running
@@ -391,10 +404,24 @@ fn bench_offload(a: OffloadArgs) -> Result<()> {
             store_nice: a.store_nice,
             ..TransferConfig::default()
         },
+        device: a.device,
+        layout: a.layout,
+        cuda_copy: a.cuda_copy,
     };
+    if target.is_some() && a.device == BenchDevice::Cuda {
+        anyhow::bail!(
+            "--device cuda runs in-process (the sidecar is handed CUDA pools by IPC handle: scripts/gpu-check.sh)"
+        );
+    }
     eprintln!(
-        "kvtier bench offload: tier {:?} | {} | {} tokens/request, hit {:.0}%, batch {}, {} rounds (+{} warm-up), threads load={} store={}",
+        "kvtier bench offload: tier {:?} | device {} layout {} | {} | {} tokens/request, hit {:.0}%, batch {}, {} rounds (+{} warm-up), threads load={} store={}",
         a.tier,
+        if a.device == BenchDevice::Cuda {
+            "cuda"
+        } else {
+            "cpu"
+        },
+        a.layout,
         g,
         a.tokens,
         a.hit_rate * 100.0,

@@ -74,6 +74,7 @@ impl Sidecar {
 
 /// Writes [`kv`] of each key into `pool` slots `first_slot..`, as a forward pass would; and
 /// the first (slot, layer) from `first_slot` that does not hold [`kv`] of its key.
+#[allow(unused_imports)] // Not every test binary writes KV.
 pub use kvtier_transfer::test_util::{first_wrong_kv_slot as first_wrong_kv, write_kv_slots as write_kv};
 
 /// `kvtier serve` as a real process on a socket in `dir`, for `geometry()`, killed on drop.

@@ -13,6 +13,7 @@ mod progress;
 mod recovery;
 mod serve;
 mod sidecar;
+mod slot_pool;
 mod summary;
 mod workload;
 
@@ -26,5 +27,6 @@ pub use sidecar::{
     MatchBenchConfig, MatchBenchReport, MatchFigures, SidecarOffloadReport, SidecarTarget, run_match,
     run_offload_sidecar, sidecar_geometry,
 };
+pub use slot_pool::BenchDevice;
 pub use summary::Summary;
 pub use workload::SeedFigures;

@@ -13,7 +13,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvtier_core::{ByteSize, Dtype, KvGeometry, Tier};
+use kvtier_core::{ByteSize, Dtype, KvGeometry, LayoutKind, Tier};
+use kvtier_cuda::CopyMethod;
 use kvtier_store::{
     DirectIo, DiskTierConfig, EvictionKind, HostTierConfig, RemoteTierConfig, TieredStore, TieredStoreConfig,
     TieredStoreStats, WritePolicy,
@@ -23,6 +24,7 @@ use serde::Serialize;
 
 use crate::BenchError;
 use crate::baselines::{DiskBaseline, MemcpyBaseline, RemoteBaseline, gib_s};
+use crate::slot_pool::{BenchDevice, SlotPool};
 use crate::summary::Summary;
 use crate::workload::{BatchResult, NewBlocks, RequestResult, Samples, SeedFigures, Workload, record};
 
@@ -66,6 +68,12 @@ pub struct OffloadConfig {
     pub remote_nodes: Vec<String>,
     /// Queue threads, bounds and chunking.
     pub transfer: TransferConfig,
+    /// Where the device pool lives.
+    pub device: BenchDevice,
+    /// How the device pool lays K and V out (an engine's layout).
+    pub layout: LayoutKind,
+    /// With `--device cuda`: how batches are copied.
+    pub cuda_copy: CopyMethod,
 }
 
 impl Default for OffloadConfig {
@@ -88,6 +96,9 @@ impl Default for OffloadConfig {
             direct_io: DirectIo::Auto,
             remote_nodes: Vec::new(),
             transfer: TransferConfig::default(),
+            device: BenchDevice::Cpu,
+            layout: LayoutKind::Kvtier,
+            cuda_copy: CopyMethod::Auto,
         }
     }
 }
@@ -139,6 +150,31 @@ pub struct RemoteFigures {
     pub store_ratio_to_baseline: f64,
 }
 
+/// The CUDA pool's figures: one large pinned `cuMemcpyAsync` each way and both at once on the
+/// same GPU in the same run, and kvtier's figures against them.
+#[derive(Debug, Clone, Serialize)]
+pub struct CudaFigures {
+    /// The GPU.
+    pub gpu: String,
+    /// How the pool copied (`auto (kernel from nvrtc)`, `memcpy (cuMemcpyAsync)`).
+    pub copy: String,
+    /// Pinned host → device, GiB/s.
+    pub pinned_h2d_gib_s: f64,
+    /// Pinned device → host, GiB/s.
+    pub pinned_d2h_gib_s: f64,
+    /// Both at once on two streams, GiB/s of both directions' bytes.
+    pub pinned_duplex_gib_s: f64,
+    /// `load_bw_gib_s.mean / pinned_h2d_gib_s`.
+    pub h2d_ratio_to_pinned: f64,
+    /// `store_bw_gib_s.mean / pinned_d2h_gib_s`.
+    pub d2h_ratio_to_pinned: f64,
+    /// `batch_duplex_bw_gib_s.mean / pinned_duplex_gib_s`.
+    pub duplex_ratio_to_pinned: f64,
+    /// `batch_duplex_bw_gib_s.mean / pinned_h2d_gib_s`: what running both directions at once
+    /// gains over one (the seeds' duplex target is ≥ 1.7 with as many bytes each way).
+    pub duplex_over_one_direction: f64,
+}
+
 /// Everything one run measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct OffloadReport {
@@ -166,6 +202,8 @@ pub struct OffloadReport {
     pub disk: Option<DiskFigures>,
     /// Remote figures; remote tier only.
     pub remote: Option<RemoteFigures>,
+    /// CUDA figures; `--device cuda` only.
+    pub cuda: Option<CudaFigures>,
     /// Blocks checked bit-exact after their load or store.
     pub verified_blocks: u64,
     /// Blocks whose bytes differed (must be 0).
@@ -215,6 +253,20 @@ impl OffloadReport {
                 r.store_ratio_to_baseline
             ));
         }
+        if let Some(c) = &self.cuda {
+            lines.push(format!("cuda_gpu={}", c.gpu));
+            lines.push(format!("cuda_copy={}", c.copy));
+            lines.push(format!("pinned_h2d_gib_s={:.2}", c.pinned_h2d_gib_s));
+            lines.push(format!("pinned_d2h_gib_s={:.2}", c.pinned_d2h_gib_s));
+            lines.push(format!("pinned_duplex_gib_s={:.2}", c.pinned_duplex_gib_s));
+            lines.push(format!("h2d_ratio_to_pinned={:.3}", c.h2d_ratio_to_pinned));
+            lines.push(format!("d2h_ratio_to_pinned={:.3}", c.d2h_ratio_to_pinned));
+            lines.push(format!("duplex_ratio_to_pinned={:.3}", c.duplex_ratio_to_pinned));
+            lines.push(format!(
+                "duplex_over_one_direction={:.3}",
+                c.duplex_over_one_direction
+            ));
+        }
         lines.push(format!(
             "verified_blocks={} mismatched_blocks={}",
             self.verified_blocks, self.mismatched_blocks
@@ -253,10 +305,22 @@ pub fn run_offload(
     let mut bench = Bench::new(config)?;
     let geometry = bench.work.geometry;
     let batch_bytes = bench.work.batch_bytes();
-    let memcpy = match config.tier {
-        Tier::Disk | Tier::Remote => None,
-        Tier::Device | Tier::Host => Some(MemcpyBaseline::new(batch_bytes, bench.queues.copy_threads())?),
+    let memcpy = match (config.device, config.tier) {
+        (BenchDevice::Cuda, _) | (_, Tier::Disk | Tier::Remote) => None,
+        (BenchDevice::Cpu, Tier::Device | Tier::Host) => {
+            Some(MemcpyBaseline::new(batch_bytes, bench.queues.copy_threads())?)
+        }
     };
+    // One large pinned copy of a batch's bytes, each way and both at once: before the batches
+    // and again after them, the better of the two kept (the GPU's clocks settle in between).
+    let slot_pool = bench.work.pool.clone();
+    let pinned = |rounds| match &slot_pool {
+        SlotPool::Cuda(p) => {
+            kvtier_cuda::pinned_baselines(p.context().info().ordinal, batch_bytes as usize, rounds).map(Some)
+        }
+        SlotPool::Cpu(_) => Ok(None),
+    };
+    let pinned_before = pinned(5)?;
     let disk_baseline = match bench.store.disk() {
         Some(d) if config.tier == Tier::Disk => Some(DiskBaseline::new(
             d.dir(),
@@ -319,7 +383,22 @@ pub fn run_offload(
         mismatched += bad;
         progress(round + 1, total_rounds);
     }
-    Ok(bench.report(samples, verified, mismatched, memcpy.is_some(), disk_depths))
+    let pinned = match (pinned_before, pinned(5)?) {
+        (Some(a), Some(b)) => Some(kvtier_cuda::PinnedBaselines {
+            h2d_gib_s: a.h2d_gib_s.max(b.h2d_gib_s),
+            d2h_gib_s: a.d2h_gib_s.max(b.d2h_gib_s),
+            duplex_gib_s: a.duplex_gib_s.max(b.duplex_gib_s),
+        }),
+        _ => None,
+    };
+    Ok(bench.report(
+        samples,
+        verified,
+        mismatched,
+        memcpy.is_some(),
+        disk_depths,
+        pinned,
+    ))
 }
 
 impl Bench {
@@ -402,7 +481,7 @@ impl Bench {
                 config.remote_nodes.join(",")
             )));
         }
-        let dyn_pool: Arc<dyn DevicePool> = work.pool.clone();
+        let dyn_pool: Arc<dyn DevicePool> = work.pool.dyn_pool();
         let queues = TransferQueues::new(&config.transfer)?;
         let bench = Self {
             work,
@@ -562,9 +641,25 @@ impl Bench {
         mismatched: u64,
         memcpy: bool,
         (read_depth, write_depth): (usize, usize),
+        pinned: Option<kvtier_cuda::PinnedBaselines>,
     ) -> OffloadReport {
         let w = &self.work;
         let seed = samples.seed_figures();
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+        let cuda = match (&w.pool, pinned) {
+            (SlotPool::Cuda(p), Some(b)) => Some(CudaFigures {
+                gpu: format!("{} {}", p.context().info().ordinal, p.context().info().name),
+                copy: p.method_description(),
+                pinned_h2d_gib_s: b.h2d_gib_s,
+                pinned_d2h_gib_s: b.d2h_gib_s,
+                pinned_duplex_gib_s: b.duplex_gib_s,
+                h2d_ratio_to_pinned: ratio(seed.load_bw_gib_s.mean, b.h2d_gib_s),
+                d2h_ratio_to_pinned: ratio(seed.store_bw_gib_s.mean, b.d2h_gib_s),
+                duplex_ratio_to_pinned: ratio(seed.batch_duplex_bw_gib_s.mean, b.duplex_gib_s),
+                duplex_over_one_direction: ratio(seed.batch_duplex_bw_gib_s.mean, b.h2d_gib_s),
+            }),
+            _ => None,
+        };
         let memcpy_baseline = memcpy.then(|| Summary::of(&samples.memcpy).mean);
         let disk = self
             .store
@@ -620,6 +715,7 @@ impl Bench {
             duplex_ratio_to_memcpy: memcpy_baseline.map(|b| if b > 0.0 { batch_bw.mean / b } else { 0.0 }),
             disk,
             remote,
+            cuda,
             verified_blocks: verified,
             mismatched_blocks: mismatched,
             dropped_stores: store_queue.dropped_blocks_total(),

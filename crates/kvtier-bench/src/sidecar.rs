@@ -364,7 +364,7 @@ pub fn run_offload_sidecar(
         )));
     }
     let pool = rt
-        .block_on(client.register_cpu_pool(&work.pool, &model_id, 0, 1))
+        .block_on(client.register_cpu_pool(work.pool.cpu()?, &model_id, 0, 1))
         .map_err(rpc_err)?;
     let mut cleanup = Cleanup::new(&rt, &client, &pool);
     for r in 0..config.batch {

@@ -3,15 +3,15 @@
 //! pool, verification, and the seed's figures computed from transfer timings.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_core::{BlockHasher, BlockKey, ByteSize, KvGeometry, Namespace, NamespaceFingerprint};
-use kvtier_transfer::{CpuDevicePool, LoadBlock, StoreBlock, TransferTiming};
+use kvtier_transfer::{LoadBlock, StoreBlock, TransferTiming};
 
 use serde::Serialize;
 
 use crate::baselines::gib_s;
+use crate::slot_pool::SlotPool;
 use crate::summary::Summary;
 use crate::{BenchError, OffloadConfig};
 
@@ -42,7 +42,7 @@ pub(crate) struct Workload {
     pub ns: NamespaceFingerprint,
     pub hit: usize,
     pub new: usize,
-    pub pool: Arc<CpuDevicePool>,
+    pub pool: SlotPool,
     pub requests: Vec<Request>,
     hasher: BlockHasher,
 }
@@ -102,7 +102,14 @@ impl Workload {
             BenchError::InvalidConfig(format!("{} device slots are too many", config.batch * blocks))
         })?;
         let ns = Namespace::single(model_id, geometry)?.fingerprint();
-        let pool = Arc::new(CpuDevicePool::create(pool_path, geometry, slots)?);
+        let pool = SlotPool::create(
+            config.device,
+            config.layout,
+            config.cuda_copy,
+            pool_path,
+            geometry,
+            slots,
+        )?;
         let mut w = Self {
             config: config.clone(),
             geometry,

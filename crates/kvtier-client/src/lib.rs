@@ -132,7 +132,8 @@ impl Client {
         self.rpc.clone()
     }
 
-    /// Registers a CPU device pool the engine created (by its shared-memory path).
+    /// Registers a CPU device pool the engine created (by its shared-memory path): kvtier's pool
+    /// file as it is, a headerless pool with its layout (vLLM's, SGLang's, …).
     ///
     /// # Errors
     /// The sidecar's status (geometry mismatch, file errors, …); [`ClientError::Protocol`] for
@@ -164,6 +165,52 @@ impl Client {
                 location: Some(proto::register_pool_request::Location::ShmPath(
                     path.display().to_string(),
                 )),
+                // kvtier's pool file describes itself; headerless memory says where K and V are.
+                layout: (!pool.is_pool_file()).then(|| pool.layout().into()),
+            })
+            .await?
+            .into_inner();
+        Ok(PoolHandle {
+            id: r.pool_id,
+            model_id: model_id.to_owned(),
+            geometry,
+            tp_rank,
+            tp_size,
+        })
+    }
+
+    /// Registers an engine's KV in GPU memory: `cuda` names the GPU and each buffer's CUDA IPC
+    /// handle, `layout` where K and V of each of `num_slots` slots are in those buffers. The
+    /// sidecar opens the handles on that GPU and closes them when the pool is unregistered or
+    /// the session ends.
+    ///
+    /// # Errors
+    /// The sidecar's status: FAILED_PRECONDITION without CUDA there (its message says why) or
+    /// for another GPU, INVALID_ARGUMENT naming the field that does not fit.
+    ///
+    /// # Cancel safety
+    /// As [`Client::register_cpu_pool`].
+    pub async fn register_cuda_pool(
+        &mut self,
+        cuda: proto::CudaPool,
+        num_slots: u32,
+        layout: &kvtier_core::PoolLayout,
+        model_id: &str,
+        tp_rank: u32,
+        tp_size: u32,
+    ) -> Result<PoolHandle, ClientError> {
+        let geometry = self.geometry;
+        let r = self
+            .rpc
+            .register_pool(proto::RegisterPoolRequest {
+                session_id: self.session_id,
+                model_id: model_id.to_owned(),
+                geometry: Some(geometry.into()),
+                num_slots,
+                tp_rank,
+                tp_size,
+                location: Some(proto::register_pool_request::Location::Cuda(cuda)),
+                layout: Some(layout.into()),
             })
             .await?
             .into_inner();

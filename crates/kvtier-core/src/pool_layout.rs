@@ -32,7 +32,8 @@ pub struct LayerLayout {
 
 /// The engine layouts kvtier knows by name (for benchmarks, tests and clients that build a
 /// [`PoolLayout`]); any other layout is given layer by layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum LayoutKind {
     /// kvtier's own pool: per layer `num_slots` block-layers, each `[K|V][token][head][dim]`.
     Kvtier,

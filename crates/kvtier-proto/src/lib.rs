@@ -7,7 +7,8 @@
 //! - Conversions between the messages and kvtier-core's types, written once for both ends:
 //!   [`KvGeometry`](kvtier_core::KvGeometry) and [`Dtype`](kvtier_core::Dtype) (`From` /
 //!   `TryFrom`, [`geometry_from_proto`]), a load's event stream ([`LoadEvent`], [`LoadDone`])
-//!   and transfer timings ([`WireTiming`]).
+//!   transfer timings ([`WireTiming`]) and a device pool's layout
+//!   ([`PoolLayout`](kvtier_core::PoolLayout), `From` both ways).
 //! - [`codec`]: the stubs' codec — an undecodable request is INVALID_ARGUMENT, a reply INTERNAL.
 //! - [`default_socket_path`]: where `kvtier serve` listens and clients dial by default.
 //!
@@ -19,6 +20,7 @@ mod endpoint;
 mod error;
 mod geometry;
 mod load_event;
+mod pool_layout;
 mod tier;
 mod timing;
 pub mod wire;

@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 
 mod config;
+mod cuda_setup;
 mod error;
 pub mod metric_names;
 mod pool_registry;

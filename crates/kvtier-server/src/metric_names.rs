@@ -57,6 +57,13 @@ pub const PINNED_BLOCKS: &str = "kvtier_pinned_blocks";
 pub const SESSIONS: &str = "kvtier_sessions";
 /// Registered device pools.
 pub const POOLS: &str = "kvtier_pools";
+/// 1 when this sidecar can serve CUDA pools (a driver and a GPU), 0 when not (its start-up
+/// log says why).
+pub const CUDA_AVAILABLE: &str = "kvtier_cuda_available";
+/// Bytes of the host tier page-locked for GPU copies (0 without CUDA or when pinning failed).
+pub const HOST_PINNED_BYTES: &str = "kvtier_host_pinned_bytes";
+/// Times pinning the host tier for GPU copies was refused (copies then use pageable memory).
+pub const HOST_PIN_FAILURES: &str = "kvtier_host_pin_failures_total";
 /// gRPC requests, by `method` and `code`.
 pub const GRPC_REQUESTS: &str = "kvtier_grpc_requests_total";
 /// gRPC request handling seconds (to the first response message), histogram by `method`.
@@ -89,6 +96,9 @@ pub const ALL: &[&str] = &[
     PINNED_BLOCKS,
     SESSIONS,
     POOLS,
+    CUDA_AVAILABLE,
+    HOST_PINNED_BYTES,
+    HOST_PIN_FAILURES,
     GRPC_REQUESTS,
     GRPC_SECONDS,
 ];
@@ -161,6 +171,13 @@ pub fn describe() {
     describe_gauge!(PINNED_BLOCKS, "Blocks pinned now");
     describe_gauge!(SESSIONS, "Open sessions");
     describe_gauge!(POOLS, "Registered device pools");
+    describe_gauge!(CUDA_AVAILABLE, "1 when CUDA pools can be served");
+    describe_gauge!(
+        HOST_PINNED_BYTES,
+        Unit::Bytes,
+        "Host tier bytes page-locked for GPU copies"
+    );
+    describe_counter!(HOST_PIN_FAILURES, "Refused pinnings of the host tier");
     describe_counter!(GRPC_REQUESTS, "gRPC requests, by method and code");
     describe_histogram!(
         GRPC_SECONDS,

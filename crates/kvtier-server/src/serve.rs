@@ -74,6 +74,13 @@ pub async fn serve(
         None => None,
     };
 
+    {
+        let state = Arc::clone(&state);
+        tokio::task::spawn_blocking(move || crate::cuda_setup::start(&state.store))
+            .await
+            .map_err(|e| ServerError::Config(format!("CUDA start-up failed: {e}")))?;
+    }
+
     let (stop_tx, stop_rx) = watch::channel(false);
     let service = KvTierService::new(Arc::clone(&state), stop_rx.clone());
     let (health, health_service) = tonic_health::server::health_reporter();

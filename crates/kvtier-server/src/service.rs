@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use kvtier_core::{BlockHasher, BlockKey, Tier};
+use kvtier_core::{BlockHasher, BlockKey, KvGeometry, PoolLayout, Tier};
+use kvtier_cuda::{CopyMethod, CudaBufferSpec, CudaDevicePool, CudaPoolSpec};
 use kvtier_proto::proto::{self, kv_tier_server::KvTier};
 use kvtier_proto::wire::{pack_keys, unpack_key, unpack_keys, unpack_one_key};
 use kvtier_proto::{
@@ -127,6 +128,28 @@ async fn blocking<T: Send + 'static>(
 }
 
 /// Keys and their slots, which must pair up.
+/// Maps a CPU pool the engine created at `path`: kvtier's pool file (header checked) without a
+/// layout, plain memory laid out as `layout` with one.
+fn open_cpu_pool(
+    path: &str,
+    geometry: KvGeometry,
+    num_slots: u32,
+    layout: Option<PoolLayout>,
+) -> Result<CpuDevicePool, ServerError> {
+    // A missing file is NOT_FOUND (from the open below); a directory or device is the client's
+    // mistake, not the server's.
+    if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
+        return Err(ServerError::InvalidArgument(format!(
+            "shm_path {path}: not a regular file (give the pool file the engine created)"
+        )));
+    }
+    let path = std::path::Path::new(path);
+    Ok(match layout {
+        None => CpuDevicePool::open(path, geometry, num_slots)?,
+        Some(layout) => CpuDevicePool::open_with_layout(path, geometry, num_slots, layout)?,
+    })
+}
+
 fn keys_and_slots(keys: &[u8], slots: &[u32]) -> Result<Vec<(BlockKey, u32)>, ServerError> {
     let keys = unpack_keys("keys", keys)?;
     if keys.len() != slots.len() {
@@ -315,38 +338,62 @@ impl KvTier for KvTierService {
                     claimed,
                 });
             }
-            let path = match r.location {
-                Some(proto::register_pool_request::Location::ShmPath(p)) if !p.is_empty() => p,
-                Some(proto::register_pool_request::Location::CudaIpcHandle(_)) => {
-                    return Err(ServerError::Unsupported(
-                        "CUDA pools are not served by this build".into(),
-                    ));
-                }
-                _ => return Err(ServerError::InvalidArgument("shm_path is required".into())),
-            };
             if r.tp_size == 0 {
                 return Err(ServerError::InvalidArgument(
                     "tp_size 0: give the tensor-parallel world size (1 without tensor parallelism)".into(),
                 ));
             }
             let num_slots = r.num_slots;
-            let pool = blocking(move || {
-                // A missing file is NOT_FOUND (from the open below); a directory or device is
-                // the client's mistake, not the server's.
-                if std::fs::metadata(&path).is_ok_and(|m| !m.is_file()) {
-                    return Err(ServerError::InvalidArgument(format!(
-                        "shm_path {path}: not a regular file (give the pool file the engine created)"
-                    )));
+            let layout = r.layout.as_ref().map(PoolLayout::from);
+            let device: Arc<dyn DevicePool> = match r.location {
+                Some(proto::register_pool_request::Location::ShmPath(path)) if !path.is_empty() => {
+                    Arc::new(blocking(move || open_cpu_pool(&path, claimed, num_slots, layout)).await?)
                 }
-                Ok(CpuDevicePool::open(
-                    std::path::Path::new(&path),
-                    claimed,
-                    num_slots,
-                )?)
-            })
-            .await?;
-            let device: Arc<dyn DevicePool> = Arc::new(pool);
+                Some(proto::register_pool_request::Location::Cuda(cuda)) => {
+                    let Some(layout) = layout else {
+                        return Err(ServerError::InvalidArgument(
+                            "layout is required for a CUDA pool (where K and V of each slot are)".into(),
+                        ));
+                    };
+                    let spec = CudaPoolSpec {
+                        device_ordinal: cuda.device_ordinal,
+                        device_uuid: cuda.device_uuid.to_vec(),
+                        buffers: cuda
+                            .buffers
+                            .iter()
+                            .map(|b| CudaBufferSpec {
+                                ipc_handle: b.ipc_handle.to_vec(),
+                                offset_bytes: b.offset_bytes,
+                                size_bytes: b.size_bytes,
+                            })
+                            .collect(),
+                    };
+                    let pool = blocking(move || {
+                        Ok(CudaDevicePool::open_ipc(
+                            &spec,
+                            claimed,
+                            num_slots,
+                            layout,
+                            CopyMethod::from_env(),
+                        )?)
+                    })
+                    .await?;
+                    tracing::info!(
+                        session = r.session_id,
+                        gpu = pool.context().info().ordinal,
+                        copy = %pool.method_description(),
+                        "CUDA pool opened by IPC handle"
+                    );
+                    Arc::new(pool)
+                }
+                _ => {
+                    return Err(ServerError::InvalidArgument(
+                        "give shm_path (a CPU pool) or cuda (a GPU pool)".into(),
+                    ));
+                }
+            };
             let tp_size = r.tp_size;
+            let kind = device.device_kind();
             let entry = self.state.sessions.register_pool(
                 r.session_id,
                 self.state.geometry,
@@ -360,6 +407,7 @@ impl KvTier for KvTierService {
                 session = r.session_id,
                 pool = entry.id,
                 slots = num_slots,
+                device = kind,
                 "pool registered"
             );
             Ok(proto::RegisterPoolResponse {

@@ -11,12 +11,14 @@
 //! it afterwards, and a region whose file shrank, was replaced or unlinked reports
 //! [`StoreError::RegionUnusable`] from then on instead of crashing the process.
 
+use std::any::Any;
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use memmap2::{MmapOptions, MmapRaw};
 
@@ -40,12 +42,30 @@ pub enum Prefault {
     Lazy,
 }
 
+/// See [`ShmRegion::device_registration`].
+#[derive(Default)]
+struct DeviceRegistration(OnceLock<Box<dyn Any + Send + Sync>>);
+
+impl std::fmt::Debug for DeviceRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "registered"
+        } else {
+            "none"
+        })
+    }
+}
+
 /// A shared, writable memory mapping with bounds-checked byte access.
 ///
 /// Cost: creating one allocates and (by default) touches `len` bytes; accessors copy exactly the
 /// bytes asked for.
 #[derive(Debug)]
 pub struct ShmRegion {
+    /// A device driver's registration of the mapping (CUDA's page-locking), declared first:
+    /// released before the mapping goes away, so no device keeps DMA access to pages a later
+    /// mapping at the same address would not own.
+    device_registration: DeviceRegistration,
     /// Declared before `map`: unregistered before the mapping goes away.
     guard: Option<FaultGuard>,
     /// The mapped file (shared regions), for [`ShmRegion::check_backing`].
@@ -139,6 +159,7 @@ impl ShmRegion {
         let map = MmapRaw::from(opts.map_anon().map_err(|e| StoreError::io("mmap", &label, e))?);
         // Private anonymous memory has no file to shrink: nothing to guard.
         let region = Self {
+            device_registration: DeviceRegistration::default(),
             guard: None,
             file: None,
             map,
@@ -214,6 +235,7 @@ impl ShmRegion {
             .map_raw(&file)
             .map_err(|e| StoreError::io("mmap", &name, e))?;
         Ok(Self {
+            device_registration: DeviceRegistration::default(),
             guard: FaultGuard::register(map.as_mut_ptr(), len, &name),
             file: Some(file),
             map,
@@ -275,6 +297,25 @@ impl ShmRegion {
                 region_bytes: self.len,
             }),
         }
+    }
+
+    /// The address of `offset..offset+len`, for a device API that reads or writes the region
+    /// itself (a DMA engine, `cuMemHostRegister`). Nothing may be done through it that the
+    /// region's own accessors would not do: the caller keeps the region alive until the device
+    /// is done, and serializes writers of a range as for [`ShmRegion::write`].
+    ///
+    /// # Errors
+    /// [`StoreError::OutOfBounds`] if the range does not fit.
+    pub fn dma_address(&self, offset: usize, len: usize) -> Result<*mut u8, StoreError> {
+        self.check_range(offset, len)?;
+        // SAFETY: `offset` is inside the mapping (or its end), checked above.
+        Ok(unsafe { self.map.as_mut_ptr().add(offset) })
+    }
+
+    /// The slot where a device driver keeps its registration of this mapping (kvtier-cuda's
+    /// page-locked pinning): set once, kept while the region lives, dropped before it unmaps.
+    pub fn device_registration(&self) -> &OnceLock<Box<dyn Any + Send + Sync>> {
+        &self.device_registration.0
     }
 
     /// Copies `src` into the region at `offset`.

@@ -37,6 +37,8 @@ pub struct CpuDevicePool {
     layout: PoolLayout,
     /// Per layer: V directly follows K, so a block-layer is one copy.
     adjacent: Vec<bool>,
+    /// kvtier's pool file (with its header), rather than headerless memory in a layout.
+    pool_file: bool,
 }
 
 impl CpuDevicePool {
@@ -58,7 +60,7 @@ impl CpuDevicePool {
         let region = Self::new_region(path, Self::file_bytes(&geometry, num_slots))?;
         region.write(0, &encode_header(&geometry, num_slots))?;
         let layout = PoolLayout::of_kind(LayoutKind::Kvtier, &geometry, num_slots, POOL_HEADER_BYTES as u64);
-        Ok(Self::from_region(region, geometry, num_slots, layout))
+        Ok(Self::from_region(region, geometry, num_slots, layout, true))
     }
 
     /// Creates a headerless pool of `bytes` bytes holding `num_slots` slots of `geometry` as
@@ -79,7 +81,7 @@ impl CpuDevicePool {
         }
         layout.validate(&geometry, num_slots, &[bytes as u64])?;
         let region = Self::new_region(path, bytes)?;
-        Ok(Self::from_region(region, geometry, num_slots, layout))
+        Ok(Self::from_region(region, geometry, num_slots, layout, false))
     }
 
     fn new_region(path: Option<&Path>, len: usize) -> Result<ShmRegion, TransferError> {
@@ -140,7 +142,7 @@ impl CpuDevicePool {
         }
         let region = ShmRegion::open_file(path, Self::file_bytes(&geometry, num_slots), Prefault::Populate)?;
         let layout = PoolLayout::of_kind(LayoutKind::Kvtier, &geometry, num_slots, POOL_HEADER_BYTES as u64);
-        Ok(Self::from_region(region, geometry, num_slots, layout))
+        Ok(Self::from_region(region, geometry, num_slots, layout, true))
     }
 
     /// Opens a headerless pool another process created at `path`: `num_slots` slots of
@@ -174,7 +176,7 @@ impl CpuDevicePool {
                 ..e
             })?;
         let region = ShmRegion::open_file(path, len as usize, Prefault::Populate)?;
-        Ok(Self::from_region(region, geometry, num_slots, layout))
+        Ok(Self::from_region(region, geometry, num_slots, layout, false))
     }
 
     /// A fault or change of this pool's own memory is the pool's error (the engine's to fix);
@@ -188,8 +190,15 @@ impl CpuDevicePool {
         }
     }
 
-    fn from_region(region: ShmRegion, geometry: KvGeometry, num_slots: u32, layout: PoolLayout) -> Self {
+    fn from_region(
+        region: ShmRegion,
+        geometry: KvGeometry,
+        num_slots: u32,
+        layout: PoolLayout,
+        pool_file: bool,
+    ) -> Self {
         Self {
+            pool_file,
             adjacent: (0..geometry.layers())
                 .map(|l| layout.kv_adjacent(l, &geometry))
                 .collect(),
@@ -203,6 +212,12 @@ impl CpuDevicePool {
     /// The shared-memory region (the engine reads and writes KV through it).
     pub fn region(&self) -> &ShmRegion {
         &self.region
+    }
+
+    /// Whether the pool is kvtier's pool file (a header, then the KV in kvtier's layout), which
+    /// registers without a layout; headerless pools register with theirs.
+    pub fn is_pool_file(&self) -> bool {
+        self.pool_file
     }
 
     /// The backing file, `None` for anonymous memory.

@@ -28,6 +28,8 @@ mod worker_threads;
 #[cfg(feature = "test-util")]
 pub mod conformance;
 #[cfg(feature = "test-util")]
+pub mod pool_conformance;
+#[cfg(feature = "test-util")]
 pub mod test_util;
 
 pub use cpu_pool::{CpuDevicePool, POOL_HEADER_BYTES};

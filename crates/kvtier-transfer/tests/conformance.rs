@@ -157,3 +157,24 @@ fn each_check_catches_the_fault_it_is_about() {
     let e = fails("pinned_is_never_evicted", &Fault::ForgetsAPin(host()));
     assert!(e.contains("evicted"), "{e}");
 }
+
+/// The device pool contract on the shared-memory pool, in each engine's layout.
+#[test]
+fn the_cpu_pool_keeps_the_pool_contract_in_every_layout() {
+    use kvtier_core::{LayoutKind, PoolLayout};
+    use kvtier_transfer::CpuDevicePool;
+    use kvtier_transfer::pool_conformance::run_pool_checks;
+    let g = conformance::geometry();
+    for kind in LayoutKind::ALL {
+        let pool = CpuDevicePool::create_with_layout(
+            None,
+            g,
+            24,
+            PoolLayout::of_kind(kind, &g, 24, 0),
+            PoolLayout::kind_bytes(&g, 24, 0) as usize,
+        )
+        .unwrap();
+        let failed = run_pool_checks(&pool);
+        assert!(failed.is_empty(), "{kind}: {failed:?}");
+    }
+}

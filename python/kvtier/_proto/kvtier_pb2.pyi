@@ -78,7 +78,7 @@ class KvGeometry(_message.Message):
     def __init__(self, layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., block_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("session_id", "model_id", "geometry", "num_slots", "tp_rank", "tp_size", "shm_path", "cuda_ipc_handle")
+    __slots__ = ("session_id", "model_id", "geometry", "num_slots", "tp_rank", "tp_size", "shm_path", "cuda", "layout")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
@@ -86,7 +86,8 @@ class RegisterPoolRequest(_message.Message):
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
-    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     model_id: str
     geometry: KvGeometry
@@ -94,8 +95,49 @@ class RegisterPoolRequest(_message.Message):
     tp_rank: int
     tp_size: int
     shm_path: str
-    cuda_ipc_handle: bytes
-    def __init__(self, session_id: _Optional[int] = ..., model_id: _Optional[str] = ..., geometry: _Optional[_Union[KvGeometry, _Mapping]] = ..., num_slots: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ...) -> None: ...
+    cuda: CudaPool
+    layout: PoolLayout
+    def __init__(self, session_id: _Optional[int] = ..., model_id: _Optional[str] = ..., geometry: _Optional[_Union[KvGeometry, _Mapping]] = ..., num_slots: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda: _Optional[_Union[CudaPool, _Mapping]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ...) -> None: ...
+
+class PoolLayout(_message.Message):
+    __slots__ = ("layers",)
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerLayout]
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerLayout, _Mapping]]] = ...) -> None: ...
+
+class LayerLayout(_message.Message):
+    __slots__ = ("k_buffer", "k_offset", "v_buffer", "v_offset", "slot_stride")
+    K_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    K_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    V_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    V_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SLOT_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    k_buffer: int
+    k_offset: int
+    v_buffer: int
+    v_offset: int
+    slot_stride: int
+    def __init__(self, k_buffer: _Optional[int] = ..., k_offset: _Optional[int] = ..., v_buffer: _Optional[int] = ..., v_offset: _Optional[int] = ..., slot_stride: _Optional[int] = ...) -> None: ...
+
+class CudaPool(_message.Message):
+    __slots__ = ("device_ordinal", "device_uuid", "buffers")
+    DEVICE_ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    device_ordinal: int
+    device_uuid: bytes
+    buffers: _containers.RepeatedCompositeFieldContainer[CudaBuffer]
+    def __init__(self, device_ordinal: _Optional[int] = ..., device_uuid: _Optional[bytes] = ..., buffers: _Optional[_Iterable[_Union[CudaBuffer, _Mapping]]] = ...) -> None: ...
+
+class CudaBuffer(_message.Message):
+    __slots__ = ("ipc_handle", "offset_bytes", "size_bytes")
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ipc_handle: bytes
+    offset_bytes: int
+    size_bytes: int
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("pool_id", "namespace_fingerprint")
