@@ -135,11 +135,7 @@ impl Drop for TorchPool {
 async fn a_torch_pool_by_ipc_handle_round_trips_bit_exact_and_survives_its_engine() {
     let g = gpu_geometry();
     let sidecar = Sidecar::start(|c| {
-        c.model.layers = g.layers();
-        c.model.kv_heads = g.kv_heads();
-        c.model.head_dim = g.head_dim();
-        c.model.dtype = g.dtype();
-        c.model.block_tokens = g.block_tokens();
+        serve_geometry(c, g);
         c.host.capacity = ByteSize::mib(128);
     })
     .await;
@@ -198,8 +194,16 @@ async fn a_torch_pool_by_ipc_handle_round_trips_bit_exact_and_survives_its_engin
         torch.count(&format!("compare 0 {half} {half}"), "differing_elements"),
         0
     );
-    let stats = client.stats().await.unwrap();
-    assert_eq!(stats.pools, 1, "the dead engine's pool is gone");
+    // The first session ends once the sidecar sees its stream close: poll for it.
+    let mut pools = 0;
+    for _ in 0..100 {
+        pools = client.stats().await.unwrap().pools;
+        if pools == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(pools, 1, "the dead engine's pool is gone");
     drop(client);
     drop(torch);
     sidecar.stop().await;

@@ -22,13 +22,18 @@ pub fn config(socket: PathBuf) -> ServerConfig {
     c.server.metrics = None;
     c.server.heartbeat_ms = 200;
     c.server.shutdown_grace_ms = 2_000;
+    serve_geometry(&mut c, g);
+    c.host.capacity = ByteSize::mib(16);
+    c
+}
+
+/// Makes `c` serve geometry `g`.
+pub fn serve_geometry(c: &mut ServerConfig, g: KvGeometry) {
     c.model.layers = g.layers();
     c.model.kv_heads = g.kv_heads();
     c.model.head_dim = g.head_dim();
     c.model.dtype = g.dtype();
     c.model.block_tokens = g.block_tokens();
-    c.host.capacity = ByteSize::mib(16);
-    c
 }
 
 /// A sidecar running in this process.

@@ -152,31 +152,12 @@ impl Client {
         let path = pool.path().ok_or_else(|| {
             ClientError::Protocol("the pool has no file path; create it with a path".into())
         })?;
-        let geometry = *pool.geometry();
-        let r = self
-            .rpc
-            .register_pool(proto::RegisterPoolRequest {
-                session_id: self.session_id,
-                model_id: model_id.to_owned(),
-                geometry: Some(geometry.into()),
-                num_slots: pool.num_slots(),
-                tp_rank,
-                tp_size,
-                location: Some(proto::register_pool_request::Location::ShmPath(
-                    path.display().to_string(),
-                )),
-                // kvtier's pool file describes itself; headerless memory says where K and V are.
-                layout: (!pool.is_pool_file()).then(|| pool.layout().into()),
-            })
-            .await?
-            .into_inner();
-        Ok(PoolHandle {
-            id: r.pool_id,
-            model_id: model_id.to_owned(),
-            geometry,
-            tp_rank,
-            tp_size,
-        })
+        let location = proto::register_pool_request::Location::ShmPath(path.display().to_string());
+        // kvtier's pool file describes itself; headerless memory says where K and V are.
+        let layout = (!pool.is_pool_file()).then(|| pool.layout().into());
+        let slots = (*pool.geometry(), pool.num_slots());
+        self.register(location, layout, slots, model_id, tp_rank, tp_size)
+            .await
     }
 
     /// Registers an engine's KV in GPU memory: `cuda` names the GPU and each buffer's CUDA IPC
@@ -199,7 +180,21 @@ impl Client {
         tp_rank: u32,
         tp_size: u32,
     ) -> Result<PoolHandle, ClientError> {
-        let geometry = self.geometry;
+        let location = proto::register_pool_request::Location::Cuda(cuda);
+        let slots = (self.geometry, num_slots);
+        self.register(location, Some(layout.into()), slots, model_id, tp_rank, tp_size)
+            .await
+    }
+
+    async fn register(
+        &mut self,
+        location: proto::register_pool_request::Location,
+        layout: Option<proto::PoolLayout>,
+        (geometry, num_slots): (KvGeometry, u32),
+        model_id: &str,
+        tp_rank: u32,
+        tp_size: u32,
+    ) -> Result<PoolHandle, ClientError> {
         let r = self
             .rpc
             .register_pool(proto::RegisterPoolRequest {
@@ -209,8 +204,8 @@ impl Client {
                 num_slots,
                 tp_rank,
                 tp_size,
-                location: Some(proto::register_pool_request::Location::Cuda(cuda)),
-                layout: Some(layout.into()),
+                location: Some(location),
+                layout,
             })
             .await?
             .into_inner();
