@@ -199,6 +199,45 @@ class Session:
         self._pools[h.pool_id] = h
         return h
 
+    def register_cuda_pool(
+        self,
+        buffers: Sequence[tuple[bytes, int, int]],
+        layout: Sequence[tuple[int, int, int, int, int]],
+        model_id: str,
+        *,
+        num_slots: int,
+        device_ordinal: int = 0,
+        device_uuid: bytes = b"",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> PoolHandle:
+        """Registers KV in GPU memory by CUDA IPC handle (docs/api.md, "Pool layouts and GPU
+        pools"). ``buffers``: ``(ipc_handle, offset_bytes, size_bytes)`` per buffer — for a torch
+        tensor ``s = t.untyped_storage()._share_cuda_()`` gives ``(s[1], s[3], s[2])``.
+        ``layout``: per layer ``(k_buffer, k_offset, v_buffer, v_offset, slot_stride)`` in bytes
+        (vLLM, a ``[2, num_blocks, ...]`` tensor per layer ``l``: ``(l, 0, l, num_blocks * h, h)``
+        with ``h`` half a block-layer). A sidecar without usable CUDA raises
+        :class:`~kvtier.errors.FailedPrecondition` saying why; a layout or buffer that does not
+        fit raises :class:`~kvtier.errors.InvalidArgument` naming the field."""
+        g = self.geometry
+        r = self._unary("RegisterPool", pb.RegisterPoolRequest(
+            session_id=self.id, model_id=model_id, geometry=g.to_proto(), num_slots=num_slots,
+            tp_rank=tp_rank, tp_size=tp_size,
+            cuda=pb.CudaPool(
+                device_ordinal=device_ordinal, device_uuid=device_uuid,
+                buffers=[pb.CudaBuffer(ipc_handle=h, offset_bytes=o, size_bytes=n) for h, o, n in buffers],
+            ),
+            # An empty layout is left out: the sidecar then says a CUDA pool needs one.
+            layout=pb.PoolLayout(layers=[
+                pb.LayerLayout(k_buffer=kb, k_offset=ko, v_buffer=vb, v_offset=vo, slot_stride=st)
+                for kb, ko, vb, vo, st in layout
+            ]) if layout else None,
+        ))
+        h = PoolHandle(r.pool_id, self.id, Namespace(model_id, g, tp_rank, tp_size), num_slots,
+                       int.from_bytes(r.namespace_fingerprint, "little"), None)
+        self._pools[h.pool_id] = h
+        return h
+
     def unregister_pool(self, pool: PoolRef) -> None:
         """Unregisters a pool (transfers in flight on it finish first)."""
         pid = _wire.pool_id(pool)

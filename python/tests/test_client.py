@@ -321,6 +321,22 @@ def test_invalid_argument_out_of_range_not_found_failed_precondition(
     assert isinstance(e.value, kvtier.KvtierError) and "disk" in e.value.message
 
 
+def test_cuda_pool_needs_a_layout_and_says_why_cuda_is_missing(session: kvtier.Session) -> None:
+    g = session.geometry
+    half = g.block_layer_bytes // 2
+    slots = 8
+    buffers = [(b"\x00" * 64, 0, 2 * slots * half) for _ in range(g.layers)]
+    vllm = [(layer, 0, layer, slots * half, half) for layer in range(g.layers)]
+    with pytest.raises(kvtier.InvalidArgument) as e:
+        session.register_cuda_pool(buffers, [], "gpu", num_slots=slots)
+    assert "layout" in e.value.message
+    # This machine has no CUDA driver (CI): the sidecar says so; with one, the zero handle
+    # does not open and the field is named.
+    with pytest.raises((kvtier.FailedPrecondition, kvtier.InvalidArgument)) as e:
+        session.register_cuda_pool(buffers, vllm, "gpu", num_slots=slots)
+    assert "CUDA" in e.value.message or "cuda.buffers[0].ipc_handle" in e.value.message
+
+
 def test_resource_exhausted_and_deadline_exceeded(big_sidecar: tuple[Sidecar, int], tmp_path: Path) -> None:
     sc, _ = big_sidecar
     n = 512  # 128 MiB a load or store
