@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use kvtier_core::{KvGeometry, LayoutKind, PoolLayout};
 use kvtier_cuda::{CopyMethod, CudaDevicePool};
-use kvtier_transfer::{CopyDirection, CpuDevicePool, DevicePool, TransferError};
+use kvtier_transfer::{CpuDevicePool, DevicePool, TransferError};
 use serde::Serialize;
 
 /// Where the benchmark's device pool lives.
@@ -88,20 +88,14 @@ impl SlotPool {
     pub(crate) fn write_slot_layer(&self, slot: u32, layer: u32, src: &[u8]) -> Result<(), TransferError> {
         match self {
             SlotPool::Cpu(p) => p.write_slot_layer(slot, layer, src),
-            SlotPool::Cuda(p) => {
-                let mut b = src.to_vec();
-                p.copy_slot_layer(CopyDirection::HostToDevice, slot, layer, &mut b)
-            }
+            SlotPool::Cuda(p) => p.write_slot_layer(slot, layer, src),
         }
     }
 
     pub(crate) fn fill_slot_layer(&self, slot: u32, layer: u32, byte: u8) -> Result<(), TransferError> {
         match self {
             SlotPool::Cpu(p) => p.fill_slot_layer(slot, layer, byte),
-            SlotPool::Cuda(p) => {
-                let mut b = vec![byte; p.geometry().bytes_per_block_layer()];
-                p.copy_slot_layer(CopyDirection::HostToDevice, slot, layer, &mut b)
-            }
+            SlotPool::Cuda(p) => p.fill_slot_layer(slot, layer, byte),
         }
     }
 
@@ -110,7 +104,7 @@ impl SlotPool {
             SlotPool::Cpu(p) => p.slot_layer_xxh3(slot, layer),
             SlotPool::Cuda(p) => {
                 let mut b = vec![0u8; p.geometry().bytes_per_block_layer()];
-                p.copy_slot_layer(CopyDirection::DeviceToHost, slot, layer, &mut b)?;
+                p.read_slot_layer(slot, layer, &mut b)?;
                 Ok(kvtier_core::xxh3_64(&b))
             }
         }

@@ -87,6 +87,48 @@ pub struct LayoutError {
     pub reason: String,
 }
 
+/// One contiguous piece of a block-layer in its pool: `len` bytes at `offset` into buffer
+/// `buffer`, holding bytes `at..at + len` of the block-layer in kvtier's `[K|V]` order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SlotPiece {
+    /// The buffer.
+    pub buffer: u32,
+    /// Bytes from the buffer's start.
+    pub offset: u64,
+    /// Where the piece sits in the block-layer's `[K|V]` bytes.
+    pub at: usize,
+    /// Its length.
+    pub len: usize,
+}
+
+/// A block-layer's pieces ([`PoolLayout::slot_pieces`]): one where V follows K, K then V
+/// otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotPieces {
+    pieces: [SlotPiece; 2],
+    n: usize,
+}
+
+impl SlotPieces {
+    /// The pieces, in block-layer order.
+    pub fn as_slice(&self) -> &[SlotPiece] {
+        &self.pieces[..self.n]
+    }
+
+    /// The one piece of a block-layer whose V follows its K; `None` when K and V are apart.
+    pub fn single(&self) -> Option<SlotPiece> {
+        (self.n == 1).then_some(self.pieces[0])
+    }
+}
+
+impl IntoIterator for SlotPieces {
+    type Item = SlotPiece;
+    type IntoIter = std::iter::Take<std::array::IntoIter<SlotPiece, 2>>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.pieces.into_iter().take(self.n)
+    }
+}
+
 /// Where K and V of every slot of every layer are (see the module docs).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PoolLayout {
@@ -238,6 +280,34 @@ impl PoolLayout {
         let l = self.layer(layer);
         let s = u64::from(slot) * l.slot_stride;
         (l.k_offset + s, l.v_offset + s)
+    }
+
+    /// Where (`layer`, `slot`)'s block-layer is: one piece where V follows K, else its K and
+    /// its V (the layout must have passed [`PoolLayout::validate`]; `layer` and `slot` exist).
+    pub fn slot_pieces(&self, geometry: &KvGeometry, layer: u32, slot: u32) -> SlotPieces {
+        let l = self.layer(layer);
+        let (k, v) = self.kv_offsets(layer, slot);
+        let bl = geometry.bytes_per_block_layer();
+        let piece = |buffer, offset, at, len| SlotPiece {
+            buffer,
+            offset,
+            at,
+            len,
+        };
+        if self.kv_adjacent(layer, geometry) {
+            SlotPieces {
+                pieces: [piece(l.k_buffer, k, 0, bl), SlotPiece::default()],
+                n: 1,
+            }
+        } else {
+            SlotPieces {
+                pieces: [
+                    piece(l.k_buffer, k, 0, bl / 2),
+                    piece(l.v_buffer, v, bl / 2, bl / 2),
+                ],
+                n: 2,
+            }
+        }
     }
 
     /// Checks that the layout fits `num_slots` slots of `geometry` in buffers of

@@ -55,13 +55,6 @@ struct Batch {
 const _: () = assert!(std::mem::size_of::<Piece>() == 24);
 const _: () = assert!(std::mem::size_of::<Batch>() == 3080);
 
-/// The xxh3-64 of the source that the kept PTX's first line names.
-pub fn kept_ptx_source_hash() -> Option<u64> {
-    let first = KERNEL_PTX.lines().next()?;
-    let hex = first.split("xxh3_64=").nth(1)?.trim();
-    u64::from_str_radix(hex, 16).ok()
-}
-
 /// Makes `KVTIER_NVRTC_LIB` (a full path) the library cudarc's `dlopen("libnvrtc.so.13")`
 /// finds, with the builtins library beside it that NVRTC opens by name: each loaded once with
 /// its symbols global, the loader then matches them by soname.
@@ -252,6 +245,13 @@ impl Drop for CopyKernel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The xxh3-64 of the source that the kept PTX's first line names.
+    fn kept_ptx_source_hash() -> Option<u64> {
+        let first = KERNEL_PTX.lines().next()?;
+        let hex = first.split("xxh3_64=").nth(1)?.trim();
+        u64::from_str_radix(hex, 16).ok()
+    }
 
     /// `scripts/gen_kernels_ptx.sh` regenerates the PTX when the source changes; this fails
     /// when someone forgot.

@@ -16,12 +16,12 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
 use kvtier_core::{KvGeometry, LayoutError, LayoutKind, PoolLayout};
-use kvtier_store::ShmRegion;
+use kvtier_store::{ShmRegion, StoreError};
 use kvtier_transfer::{CopyDirection, CopyTicket, DevicePool, PendingCopies, SlotCopy, TransferError};
 
 use crate::copy_kernels::{CopyKernel, Piece};
 use crate::driver::{CUDA, CudaContext, Event, Stream, check, error_text, unavailable, uuid_text};
-use crate::host_pinning::{PinOutcome, pin_region};
+use crate::host_pinning::mapped_base;
 
 /// How a pool moves a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
@@ -102,7 +102,7 @@ fn layout_error(field: String, reason: String) -> TransferError {
     TransferError::Layout(LayoutError { field, reason })
 }
 
-/// The device memory a pool holds.
+/// One allocation a pool holds.
 #[derive(Debug)]
 enum Memory {
     /// `cuMemAlloc`ed here, freed on drop.
@@ -110,6 +110,29 @@ enum Memory {
     /// Opened from an IPC handle (shared with other pools of the same allocation), closed when
     /// the last of them is dropped.
     Ipc([u8; 64]),
+}
+
+/// The device memory a pool holds, freed or closed when dropped (the pool drains its streams
+/// first), so every early return of a constructor releases what it had opened.
+#[derive(Debug)]
+struct DeviceMemory {
+    ctx: Arc<CudaContext>,
+    parts: Vec<Memory>,
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        for m in &self.parts {
+            match m {
+                Memory::Allocated(p) => {
+                    // SAFETY: allocated by this pool; no copy is pending.
+                    let _ = unsafe { sys::cuMemFree_v2(*p) };
+                }
+                Memory::Ipc(h) => ipc_close(h),
+            }
+        }
+    }
 }
 
 /// IPC allocations open in this process: a handle opens once per process (the driver refuses a
@@ -162,14 +185,14 @@ pub struct CudaDevicePool {
     geometry: KvGeometry,
     num_slots: u32,
     layout: PoolLayout,
-    adjacent: Vec<bool>,
     /// Device address of each buffer the layout indexes.
     buffers: Vec<u64>,
-    memory: Vec<Memory>,
     h2d: Stream,
     d2h: Stream,
     kernel: Option<Arc<CopyKernel>>,
     method: CopyMethod,
+    /// Last: released after the pool's Drop drained the streams.
+    _memory: DeviceMemory,
 }
 
 impl CudaDevicePool {
@@ -197,12 +220,12 @@ impl CudaDevicePool {
         unsafe {
             check("cuMemAlloc", sys::cuMemAlloc_v2(&mut ptr, bytes))?;
         }
-        let memory = vec![Memory::Allocated(ptr)];
+        let memory = DeviceMemory {
+            ctx: ctx.clone(),
+            parts: vec![Memory::Allocated(ptr)],
+        };
         // SAFETY: `ptr` is `bytes` long, just allocated.
-        if let Err(e) = check("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(ptr, 0, bytes) }) {
-            release(&ctx, &memory);
-            return Err(e);
-        }
+        check("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(ptr, 0, bytes) })?;
         let layout = PoolLayout::of_kind(kind, &geometry, num_slots, 0);
         Self::assemble(ctx, geometry, num_slots, layout, vec![ptr], memory, method)
     }
@@ -259,38 +282,33 @@ impl CudaDevicePool {
             )));
         }
         ctx.bind()?;
-        let mut memory: Vec<Memory> = Vec::new();
+        let mut memory = DeviceMemory {
+            ctx: ctx.clone(),
+            parts: Vec::new(),
+        };
         let mut buffers = Vec::with_capacity(handles.len());
         let mut sizes = Vec::with_capacity(handles.len());
         for (i, (h, b)) in handles.iter().zip(&spec.buffers).enumerate() {
-            let opened = match ipc_open(h) {
-                Ok(base) => base,
-                Err(r) => {
-                    release(&ctx, &memory);
-                    return Err(layout_error(
-                        format!("cuda.buffers[{i}].ipc_handle"),
-                        format!(
-                            "does not open on GPU {}: {} (a handle of another GPU, of a freed allocation, or not an IPC handle)",
-                            spec.device_ordinal,
-                            error_text(r)
-                        ),
-                    ));
-                }
-            };
-            memory.push(Memory::Ipc(*h));
+            let opened = ipc_open(h).map_err(|r| {
+                layout_error(
+                    format!("cuda.buffers[{i}].ipc_handle"),
+                    format!(
+                        "does not open on GPU {}: {} (a handle of another GPU, of a freed allocation, or not an IPC handle)",
+                        spec.device_ordinal,
+                        error_text(r)
+                    ),
+                )
+            })?;
+            memory.parts.push(Memory::Ipc(*h));
             let (mut alloc_base, mut alloc_size) = (0, 0usize);
             // SAFETY: `opened` is a live device address of the current context.
             let r = unsafe { sys::cuMemGetAddressRange_v2(&mut alloc_base, &mut alloc_size, opened) };
-            if let Err(e) = check("cuMemGetAddressRange", r) {
-                release(&ctx, &memory);
-                return Err(e);
-            }
+            check("cuMemGetAddressRange", r)?;
             let avail = (alloc_base + alloc_size as u64).saturating_sub(opened);
             if b.offset_bytes
                 .checked_add(b.size_bytes)
                 .is_none_or(|end| end > avail)
             {
-                release(&ctx, &memory);
                 return Err(layout_error(
                     format!("cuda.buffers[{i}].size_bytes"),
                     format!(
@@ -302,10 +320,7 @@ impl CudaDevicePool {
             buffers.push(opened + b.offset_bytes);
             sizes.push(b.size_bytes);
         }
-        if let Err(e) = layout.validate(&geometry, num_slots, &sizes) {
-            release(&ctx, &memory);
-            return Err(e.into());
-        }
+        layout.validate(&geometry, num_slots, &sizes)?;
         Self::assemble(ctx, geometry, num_slots, layout, buffers, memory, method)
     }
 
@@ -315,17 +330,10 @@ impl CudaDevicePool {
         num_slots: u32,
         layout: PoolLayout,
         buffers: Vec<u64>,
-        memory: Vec<Memory>,
+        memory: DeviceMemory,
         method: CopyMethod,
     ) -> Result<Self, TransferError> {
-        let streams = Stream::new(&ctx, true).and_then(|h2d| Ok((h2d, Stream::new(&ctx, false)?)));
-        let (h2d, d2h) = match streams {
-            Ok(s) => s,
-            Err(e) => {
-                release(&ctx, &memory);
-                return Err(e);
-            }
-        };
+        let (h2d, d2h) = (Stream::new(&ctx, true)?, Stream::new(&ctx, false)?);
         let kernel = match method {
             CopyMethod::Memcpy => None,
             _ => match CopyKernel::get(&ctx) {
@@ -337,15 +345,12 @@ impl CudaDevicePool {
             },
         };
         Ok(Self {
-            adjacent: (0..geometry.layers())
-                .map(|l| layout.kv_adjacent(l, &geometry))
-                .collect(),
             ctx,
             geometry,
             num_slots,
             layout,
             buffers,
-            memory,
+            _memory: memory,
             h2d,
             d2h,
             kernel,
@@ -366,51 +371,74 @@ impl CudaDevicePool {
         }
     }
 
-    /// Copies block-layer (`slot`, `layer`) between the device and `buf` (kvtier's `[K|V]`
-    /// order) synchronously, for tests and checks (never on the data path).
+    /// Writes one block-layer of KV, given in kvtier's `[K|V]` order, into (`slot`, `layer`)
+    /// synchronously, as an engine's forward pass would (tests and the benchmark's untimed
+    /// part; never the data path).
     ///
     /// # Errors
-    /// Range errors, [`TransferError::Device`].
-    pub fn copy_slot_layer(
-        &self,
-        direction: CopyDirection,
-        slot: u32,
-        layer: u32,
-        buf: &mut [u8],
-    ) -> Result<(), TransferError> {
-        self.check_slot(slot)?;
-        self.check_layer(layer)?;
-        let bl = self.geometry.bytes_per_block_layer();
-        assert_eq!(buf.len(), bl, "one block-layer");
-        self.ctx.bind()?;
+    /// Range errors; [`StoreError::BufferSize`] if `src` is not one block-layer;
+    /// [`TransferError::Device`].
+    pub fn write_slot_layer(&self, slot: u32, layer: u32, src: &[u8]) -> Result<(), TransferError> {
+        self.check_block_layer(slot, layer, src.len())?;
         for (dev, at, len) in self.slot_pieces(layer, slot) {
-            // SAFETY: `dev..dev+len` lies in a validated buffer; `buf[at..at+len]` is in bounds.
-            let r = unsafe {
-                match direction {
-                    CopyDirection::HostToDevice => sys::cuMemcpyHtoD_v2(dev, buf[at..].as_ptr().cast(), len),
-                    CopyDirection::DeviceToHost => {
-                        sys::cuMemcpyDtoH_v2(buf[at..].as_mut_ptr().cast(), dev, len)
-                    }
-                }
-            };
-            check("cuMemcpy", r)?;
+            // SAFETY: `dev..dev+len` lies in a validated buffer; `src[at..at+len]` is in bounds.
+            let r = unsafe { sys::cuMemcpyHtoD_v2(dev, src[at..].as_ptr().cast(), len) };
+            check("cuMemcpyHtoD", r)?;
         }
         Ok(())
     }
 
+    /// Reads one block-layer of KV from (`slot`, `layer`) in kvtier's `[K|V]` order,
+    /// synchronously (tests and checks).
+    ///
+    /// # Errors
+    /// As [`CudaDevicePool::write_slot_layer`].
+    pub fn read_slot_layer(&self, slot: u32, layer: u32, dst: &mut [u8]) -> Result<(), TransferError> {
+        self.check_block_layer(slot, layer, dst.len())?;
+        for (dev, at, len) in self.slot_pieces(layer, slot) {
+            // SAFETY: as in `write_slot_layer`, into `dst`.
+            let r = unsafe { sys::cuMemcpyDtoH_v2(dst[at..].as_mut_ptr().cast(), dev, len) };
+            check("cuMemcpyDtoH", r)?;
+        }
+        Ok(())
+    }
+
+    /// Sets every byte of (`slot`, `layer`)'s K and V to `byte`, synchronously.
+    ///
+    /// # Errors
+    /// Range errors, [`TransferError::Device`].
+    pub fn fill_slot_layer(&self, slot: u32, layer: u32, byte: u8) -> Result<(), TransferError> {
+        self.check_block_layer(slot, layer, self.geometry.bytes_per_block_layer())?;
+        for (dev, _, len) in self.slot_pieces(layer, slot) {
+            // SAFETY: `dev..dev+len` lies in a validated buffer.
+            check("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(dev, byte, len) })?;
+        }
+        Ok(())
+    }
+
+    /// Checks a slot, a layer and a buffer of `len` bytes for one block-layer, and binds the
+    /// context.
+    fn check_block_layer(&self, slot: u32, layer: u32, len: usize) -> Result<(), TransferError> {
+        self.check_slot(slot)?;
+        self.check_layer(layer)?;
+        let bl = self.geometry.bytes_per_block_layer();
+        if len != bl {
+            return Err(StoreError::BufferSize {
+                expected_bytes: bl,
+                actual_bytes: len,
+            }
+            .into());
+        }
+        self.ctx.bind()
+    }
+
     /// (device address, offset in the block-layer, len) of (`layer`, `slot`)'s pieces.
     fn slot_pieces(&self, layer: u32, slot: u32) -> impl Iterator<Item = (u64, usize, usize)> {
-        let l = self.layout.layer(layer);
-        let (k, v) = self.layout.kv_offsets(layer, slot);
-        let bl = self.geometry.bytes_per_block_layer();
-        let k_addr = self.buffers[l.k_buffer as usize] + k;
-        let v_addr = self.buffers[l.v_buffer as usize] + v;
-        let pieces = if self.adjacent[layer as usize] {
-            [Some((k_addr, 0, bl)), None]
-        } else {
-            [Some((k_addr, 0, bl / 2)), Some((v_addr, bl / 2, bl / 2))]
-        };
-        pieces.into_iter().flatten()
+        let buffers = &self.buffers;
+        self.layout
+            .slot_pieces(&self.geometry, layer, slot)
+            .into_iter()
+            .map(move |p| (buffers[p.buffer as usize] + p.offset, p.at, p.len))
     }
 
     /// The batch's pieces, `src`/`dst` as `(device address, host offset)` pairs in the
@@ -452,13 +480,11 @@ impl CudaDevicePool {
         stream: &Stream,
     ) -> Result<(), TransferError> {
         let host_ptr = host.dma_address(0, host.len())? as u64;
-        let mapped = match pin_region(&self.ctx, host)? {
-            PinOutcome::Pinned { device_base, .. } => Some(device_base),
-            PinOutcome::Failed { .. } => None,
-        };
+        let mapped = mapped_base(&self.ctx, host);
+        let split = !self.layout.kv_adjacent(layer, &self.geometry);
         let kernel = match (&self.kernel, mapped, self.method) {
             (Some(k), Some(base), CopyMethod::Kernel) => Some((k, base)),
-            (Some(k), Some(base), CopyMethod::Auto) if !self.adjacent[layer as usize] => Some((k, base)),
+            (Some(k), Some(base), CopyMethod::Auto) if split => Some((k, base)),
             _ => None,
         };
         if let Some((k, device_base)) = kernel {
@@ -491,27 +517,12 @@ impl CudaDevicePool {
     }
 }
 
-/// Frees or closes `memory` (nothing may be pending on it).
-fn release(ctx: &CudaContext, memory: &[Memory]) {
-    let _ = ctx.bind();
-    for m in memory {
-        match m {
-            Memory::Allocated(p) => {
-                // SAFETY: allocated by this pool; no copy is pending.
-                let _ = unsafe { sys::cuMemFree_v2(*p) };
-            }
-            Memory::Ipc(h) => ipc_close(h),
-        }
-    }
-}
-
 impl Drop for CudaDevicePool {
     fn drop(&mut self) {
         // Every ticket waits on drop, but a submit that failed part-way may have left copies
-        // queued: let both streams drain before the memory goes.
+        // queued: let both streams drain before the memory (the last field) goes.
         let _ = self.h2d.synchronize();
         let _ = self.d2h.synchronize();
-        release(&self.ctx, &self.memory);
     }
 }
 

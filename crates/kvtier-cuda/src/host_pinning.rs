@@ -62,23 +62,31 @@ impl Drop for HostPin {
 /// registration is [`PinOutcome::Failed`].
 pub fn pin_region(ctx: &Arc<CudaContext>, region: &ShmRegion) -> Result<PinOutcome, TransferError> {
     ctx.bind()?;
-    let slot = region.device_registration();
-    let pin = slot.get_or_init(|| Box::new(register(ctx, region)));
-    match pin.downcast_ref::<HostPin>() {
-        Some(p) => Ok(p.outcome.clone()),
-        None => Ok(PinOutcome::Failed {
+    Ok(match registration(ctx, region) {
+        Some(p) => p.outcome.clone(),
+        None => PinOutcome::Failed {
             reason: "the region is registered with another device driver".into(),
-        }),
-    }
+        },
+    })
 }
 
-/// The region's pinning so far, without making one.
-pub fn pin_state(region: &ShmRegion) -> Option<PinOutcome> {
+/// The region's pin, made on first use (the caller has bound `ctx`); `None` for a
+/// registration that is not kvtier-cuda's.
+fn registration<'a>(ctx: &Arc<CudaContext>, region: &'a ShmRegion) -> Option<&'a HostPin> {
     region
         .device_registration()
-        .get()
-        .and_then(|b| b.downcast_ref::<HostPin>())
-        .map(|p| p.outcome.clone())
+        .get_or_init(|| Box::new(register(ctx, region)))
+        .downcast_ref::<HostPin>()
+}
+
+/// Where `region` starts in the device address space, pinning it on first use; `None` when it
+/// could not be pinned (copies then use pageable memory). The data path's call (the caller has
+/// bound `ctx`): no allocation once the region's pin exists.
+pub(crate) fn mapped_base(ctx: &Arc<CudaContext>, region: &ShmRegion) -> Option<u64> {
+    match registration(ctx, region)?.outcome {
+        PinOutcome::Pinned { device_base, .. } => Some(device_base),
+        PinOutcome::Failed { .. } => None,
+    }
 }
 
 fn register(ctx: &Arc<CudaContext>, region: &ShmRegion) -> HostPin {

@@ -24,5 +24,5 @@ mod pinned_baselines;
 
 pub use cuda_pool::{CopyMethod, CudaBufferSpec, CudaDevicePool, CudaPoolSpec};
 pub use driver::{CudaContext, CudaStatus, DeviceInfo, status, uuid_text};
-pub use host_pinning::{PinOutcome, pin_region, pin_state};
+pub use host_pinning::{PinOutcome, pin_region};
 pub use pinned_baselines::{PinnedBaselines, pinned_baselines};

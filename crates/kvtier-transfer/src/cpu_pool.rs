@@ -5,14 +5,10 @@ use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
-use kvtier_core::{Dtype, KvGeometry, LayoutError, LayoutKind, PoolLayout, xxh3_64};
+use kvtier_core::{Dtype, KvGeometry, LayoutError, LayoutKind, PoolLayout, SlotPieces, xxh3_64};
 use kvtier_store::{Prefault, ShmRegion, StoreError};
 
 use crate::{CopyDirection, CopyTicket, DevicePool, SlotCopy, TransferError};
-
-/// A block-layer's pieces, `(pool offset, offset in the block-layer, len)`, and how many of the
-/// two are used.
-type BlockPieces = ([(usize, usize, usize); 2], usize);
 
 const POOL_MAGIC: &[u8; 8] = b"KVTPOOL\0";
 const POOL_VERSION: u32 = 1;
@@ -35,8 +31,6 @@ pub struct CpuDevicePool {
     geometry: KvGeometry,
     num_slots: u32,
     layout: PoolLayout,
-    /// Per layer: V directly follows K, so a block-layer is one copy.
-    adjacent: Vec<bool>,
     /// kvtier's pool file (with its header), rather than headerless memory in a layout.
     pool_file: bool,
 }
@@ -199,9 +193,6 @@ impl CpuDevicePool {
     ) -> Self {
         Self {
             pool_file,
-            adjacent: (0..geometry.layers())
-                .map(|l| layout.kv_adjacent(l, &geometry))
-                .collect(),
             region,
             geometry,
             num_slots,
@@ -225,17 +216,11 @@ impl CpuDevicePool {
         self.region.path()
     }
 
-    /// The pieces of block-layer (`slot`, `layer`), one when V follows K, two otherwise.
-    fn pieces(&self, slot: u32, layer: u32) -> Result<BlockPieces, TransferError> {
+    /// The pieces of block-layer (`slot`, `layer`) in the pool's one buffer.
+    fn pieces(&self, slot: u32, layer: u32) -> Result<SlotPieces, TransferError> {
         self.check_slot(slot)?;
         self.check_layer(layer)?;
-        let bl = self.geometry.bytes_per_block_layer();
-        let (k, v) = self.layout.kv_offsets(layer, slot);
-        Ok(if self.adjacent[layer as usize] {
-            ([(k as usize, 0, bl), (0, 0, 0)], 1)
-        } else {
-            ([(k as usize, 0, bl / 2), (v as usize, bl / 2, bl / 2)], 2)
-        })
+        Ok(self.layout.slot_pieces(&self.geometry, layer, slot))
     }
 
     /// `(offset, len)` of block-layer (`slot`, `layer`) in [`CpuDevicePool::region`], for a
@@ -245,9 +230,9 @@ impl CpuDevicePool {
     /// [`TransferError::SlotOutOfRange`], [`StoreError::LayerOutOfRange`], and
     /// [`TransferError::Layout`] for a layer whose K and V are apart.
     pub fn slot_layer_range(&self, slot: u32, layer: u32) -> Result<(usize, usize), TransferError> {
-        match self.pieces(slot, layer)? {
-            ([(off, _, len), _], 1) => Ok((off, len)),
-            _ => Err(LayoutError {
+        match self.pieces(slot, layer)?.single() {
+            Some(p) => Ok((p.offset as usize, p.len)),
+            None => Err(LayoutError {
                 field: format!("layout.layers[{layer}]"),
                 reason: "K and V are apart: the block-layer is not one range".into(),
             }
@@ -269,9 +254,8 @@ impl CpuDevicePool {
             }
             .into());
         }
-        let (pieces, n) = self.pieces(slot, layer)?;
-        for &(off, at, len) in &pieces[..n] {
-            self.region.write(off, &src[at..at + len])?;
+        for p in self.pieces(slot, layer)?.as_slice() {
+            self.region.write(p.offset as usize, &src[p.at..p.at + p.len])?;
         }
         Ok(())
     }
@@ -289,9 +273,9 @@ impl CpuDevicePool {
             }
             .into());
         }
-        let (pieces, n) = self.pieces(slot, layer)?;
-        for &(off, at, len) in &pieces[..n] {
-            self.region.read(off, &mut dst[at..at + len])?;
+        for p in self.pieces(slot, layer)?.as_slice() {
+            self.region
+                .read(p.offset as usize, &mut dst[p.at..p.at + p.len])?;
         }
         Ok(())
     }
@@ -301,9 +285,8 @@ impl CpuDevicePool {
     /// # Errors
     /// Range errors.
     pub fn fill_slot_layer(&self, slot: u32, layer: u32, byte: u8) -> Result<(), TransferError> {
-        let (pieces, n) = self.pieces(slot, layer)?;
-        for &(off, _, len) in &pieces[..n] {
-            self.region.fill(off, len, byte)?;
+        for p in self.pieces(slot, layer)?.as_slice() {
+            self.region.fill(p.offset as usize, p.len, byte)?;
         }
         Ok(())
     }
@@ -314,9 +297,9 @@ impl CpuDevicePool {
     /// # Errors
     /// Range errors.
     pub fn slot_layer_xxh3(&self, slot: u32, layer: u32) -> Result<u64, TransferError> {
-        match self.pieces(slot, layer)? {
-            ([(off, _, len), _], 1) => Ok(self.region.xxh3_64(off, len)?),
-            _ => {
+        match self.pieces(slot, layer)?.single() {
+            Some(p) => Ok(self.region.xxh3_64(p.offset as usize, p.len)?),
+            None => {
                 let mut buf = vec![0u8; self.geometry.bytes_per_block_layer()];
                 self.read_slot_layer(slot, layer, &mut buf)?;
                 Ok(xxh3_64(&buf))
@@ -364,15 +347,11 @@ impl DevicePool for CpuDevicePool {
         copies: &[SlotCopy],
     ) -> Result<CopyTicket, TransferError> {
         for c in copies {
-            let (pieces, n) = self.pieces(c.slot, layer)?;
-            for &(off, at, len) in &pieces[..n] {
+            for p in self.pieces(c.slot, layer)?.as_slice() {
+                let (off, at) = (p.offset as usize, c.host_offset + p.at);
                 match direction {
-                    CopyDirection::HostToDevice => {
-                        ShmRegion::copy(host, c.host_offset + at, &self.region, off, len)
-                    }
-                    CopyDirection::DeviceToHost => {
-                        ShmRegion::copy(&self.region, off, host, c.host_offset + at, len)
-                    }
+                    CopyDirection::HostToDevice => ShmRegion::copy(host, at, &self.region, off, p.len),
+                    CopyDirection::DeviceToHost => ShmRegion::copy(&self.region, off, host, at, p.len),
                 }
                 .map_err(|e| self.copy_error(e))?;
             }
