@@ -11,6 +11,8 @@ tokenizer). Run by scripts/test_connectors.sh in its vLLM venv; not part of
 
 from __future__ import annotations
 
+import mmap
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,8 +137,10 @@ def kvtier_view(caches: dict[str, torch.Tensor], block: int) -> torch.Tensor:
 
 
 def forward(w: KvtierConnector, caches: dict[str, torch.Tensor], out: Any) -> KVConnectorOutput:
-    """What vLLM's model runner does around a forward: bind the metadata, start the loads, per
-    layer wait for its load and save it; then wait for the saves and collect the worker's output."""
+    """What vLLM's model runner does around a forward: let preempted requests' stores finish,
+    bind the metadata, start the loads, per layer wait for its load and save it; then wait for
+    the saves and collect the worker's output (finished sends included)."""
+    w.handle_preemptions(out.kv_connector_metadata)
     w.bind_connector_metadata(out.kv_connector_metadata)
     w.start_load_kv(None)  # type: ignore[arg-type]
     for name in NAMES:
@@ -144,9 +148,11 @@ def forward(w: KvtierConnector, caches: dict[str, torch.Tensor], out: Any) -> KV
         w.save_kv_layer(name, caches[name], None)
     w.wait_for_save()
     w.flush()
+    sent, _ = w.get_finished(out.finished_req_ids)
     meta = w.build_connector_worker_meta()
     w.clear_connector_metadata()
-    return KVConnectorOutput(kv_connector_worker_meta=meta, invalid_block_ids=w.get_block_ids_with_load_errors())
+    return KVConnectorOutput(finished_sending=sent, kv_connector_worker_meta=meta,
+                             invalid_block_ids=w.get_block_ids_with_load_errors())
 
 
 def compute(caches: dict[str, torch.Tensor], block_ids: list[int], gen: torch.Generator,
@@ -185,8 +191,10 @@ def step(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor], gen:
 
 def run_to_end(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor], gen: torch.Generator,
                written: dict[int, torch.Tensor]) -> list[Any]:
+    """Steps until the scheduler holds nothing, finished requests whose frees wait for the
+    worker's stores included."""
     outs = []
-    while s.has_unfinished_requests():
+    while s.has_requests():
         outs.append(step(s, w, caches, gen, written))
         assert len(outs) < 20
     return outs
@@ -329,10 +337,131 @@ def test_a_geometry_the_sidecar_does_not_serve_is_refused(sidecar: Sidecar, mode
         KvtierConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(heads=HEADS * 2))
 
 
-def test_cuda_kv_caches_are_refused_until_the_device_path_exists(sidecar: Sidecar, model_dir: str) -> None:
+def test_kv_caches_on_other_devices_are_refused(sidecar: Sidecar, model_dir: str) -> None:
     config = vllm_config(sidecar, model_dir)
     w = KvtierConnector(config, KVConnectorRole.WORKER, kv_cache_config())
     meta = {n: torch.empty(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM, dtype=torch.float16, device="meta") for n in NAMES}
-    with pytest.raises(NotImplementedError, match="CUDA device path"):
+    with pytest.raises(ValueError, match="on meta; kvtier moves CPU and CUDA tensors"):
         w.register_kv_caches(meta)
     w.shutdown()
+
+
+def shm_bytes(path: Path, nbytes: int) -> torch.Tensor:
+    """``nbytes`` zeroed bytes of a new shared mapping of ``path`` (what an engine that keeps
+    its KV in shared memory has)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def test_kv_in_shared_memory_moves_in_place_and_frees_wait_for_stores(
+        sidecar: Sidecar, model_dir: str, tmp_path: Path) -> None:
+    """vLLM's [2, blocks, token, head, dim] KV in a shared file is registered where it lies (no
+    staging pool): the real Scheduler keeps a finished request's blocks until the worker
+    reports its stores done, a preempted request's stores finish before handle_preemptions
+    returns, and a later request loads the blocks straight into vLLM's blocks, bit-exact."""
+    salt = "in-place"
+    config = vllm_config(sidecar, model_dir, kv_path="in_place", cache_salt=salt)
+    kcc = kv_cache_config()
+    s = scheduler(config, kcc)
+    raw = shm_bytes(Path("/dev/shm") / f"kvtier-test-vllm-{os.getpid()}", 2 * LAYERS * NUM_BLOCKS * BLOCK * HEADS * DIM * 2)
+    try:
+        planes = raw.view(torch.float16).view(LAYERS, 2, NUM_BLOCKS, BLOCK, HEADS, DIM)
+        caches = {n: planes[i] for i, n in enumerate(NAMES)}
+        w = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
+        w.register_kv_caches(caches)
+        gen = torch.Generator().manual_seed(3)
+        try:
+            assert w._in_place and w._pool is None, "registered in place, no staging pool"
+            written: dict[int, torch.Tensor] = {}
+
+            def view(b: int) -> torch.Tensor:  # (layer, K|V, token, head, dim) of block b
+                return torch.stack([caches[n][:, b] for n in NAMES])
+
+            def compute5(block_ids: list[int]) -> None:
+                for b in block_ids:
+                    for n in NAMES:
+                        caches[n][:, b] = torch.randn(caches[n][:, b].shape, generator=gen).to(torch.float16)
+                    written[b] = view(b).clone()
+
+            def step5() -> Any:
+                out = s.schedule()
+                for r in out.scheduled_new_reqs:
+                    first = r.num_computed_tokens // BLOCK
+                    compute5(r.block_ids[0][first:-(-(r.num_computed_tokens + out.num_scheduled_tokens[r.req_id]) // BLOCK)])
+                kvo = forward(w, caches, out)
+                reqs = list(out.num_scheduled_tokens)
+                s.update_from_output(out, ModelRunnerOutput(
+                    req_ids=reqs, sampled_token_ids=[[7] for _ in reqs], kv_connector_output=kvo))
+                return out
+
+            prompt = torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()
+            s.add_request(request("a", prompt))
+            out = step5()
+            saves = out.kv_connector_metadata.saves
+            assert [(sp.req_id, len(sp.block_ids)) for sp in saves] == [("a", 3)]
+            a_blocks = saves[0].block_ids
+            stored_kv = [written[b] for b in a_blocks]
+            # "a" is finished but its blocks wait for the worker: the next step's metadata names
+            # it, the worker reports its stores done, and only then does vLLM forget it.
+            assert not s.has_unfinished_requests() and "a" in s.requests
+            out = step5()
+            assert out.kv_connector_metadata.delayed_frees == ["a"]
+            assert "a" not in s.requests and not s.has_requests()
+
+            # Preemption: a store in flight on a preempted request's blocks is done when
+            # handle_preemptions returns.
+            keys = kvtier.Namespace("test/tiny-llama", kvtier.Geometry(LAYERS, HEADS, DIM, "f16", BLOCK),
+                                    cache_salt=salt).keys(list(range(500, 500 + 2 * BLOCK)))
+            w.bind_connector_metadata(KvtierConnectorMetadata(saves=[SaveSpec("p", keys.packed, [20, 21], None, salt)]))
+            w.wait_for_save()
+            w.clear_connector_metadata()
+            w.handle_preemptions(KvtierConnectorMetadata(preempted=["p"]))
+            with kvtier.connect(sidecar.target, "checker") as other, kvtier.CpuPool.create(other.geometry, 1) as p1:
+                h = other.register_pool(p1, "test/tiny-llama")
+                assert other.match(h, keys, cache_salt=salt).matched_blocks == 2
+
+            # The device forgets; "b" shares a's 3 blocks and loads them into vLLM's blocks.
+            assert s.reset_prefix_cache()
+            raw.zero_()
+            s.add_request(request("b", prompt[: 3 * BLOCK] + [11] * 5))
+            out = step5()
+            nr = out.scheduled_new_reqs[0]
+            assert nr.num_computed_tokens == 3 * BLOCK
+            for i, b in enumerate(nr.block_ids[0][:3]):
+                assert torch.equal(view(b).view(torch.int16), stored_kv[i].view(torch.int16)), i
+            while s.has_requests():
+                step5()
+        finally:
+            w.shutdown()
+            s.connector.shutdown()
+    finally:
+        os.unlink(Path("/dev/shm") / f"kvtier-test-vllm-{os.getpid()}")
+
+
+def test_layouts_that_cannot_move_in_place_say_why(sidecar: Sidecar, model_dir: str, tmp_path: Path) -> None:
+    """kv_path = in_place refuses, naming the reason, vLLM ≥ 0.34's K‖V-interleaved layout (in
+    a shared file) and private memory; kv_path = auto copies those through a staging pool."""
+    kcc = kv_cache_config()
+    path = Path("/dev/shm") / f"kvtier-test-vllm4-{os.getpid()}"
+    try:
+        caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBNHC, allocate=lambda n: shm_bytes(path, n))
+        w = KvtierConnector(vllm_config(sidecar, model_dir, kv_path="in_place"), KVConnectorRole.WORKER, kcc)
+        with pytest.raises(kvtier.KvtierError, match="cannot be registered in place: layer 0's K has strides"):
+            w.register_kv_caches(caches)
+        w.shutdown()
+        w = KvtierConnector(vllm_config(sidecar, model_dir, kv_path="in_place"), KVConnectorRole.WORKER, kcc)
+        private = {n: torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM, dtype=torch.float16) for n in NAMES}
+        with pytest.raises(kvtier.KvtierError, match="not in a file mapping|private mapping"):
+            w.register_kv_caches(private)
+        w.shutdown()
+        w = KvtierConnector(vllm_config(sidecar, model_dir), KVConnectorRole.WORKER, kcc)
+        w.register_kv_caches(caches)
+        assert not w._in_place and w._pool is not None
+        w.shutdown()
+    finally:
+        path.unlink(missing_ok=True)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Union, cast
 
 import numpy as np
 
 from ._proto import kvtier_pb2 as pb
-from .keys import KEY_BYTES, BlockKeys, KeysLike, as_keys
+from .geometry import Geometry
+from .keys import KEY_BYTES, BlockKeys, KeysLike, Namespace, as_keys
+from .pool import CpuPool
 from .results import (
     BlocksMissing, ClearResult, DeviceEvent, DeviceEventsResult, LayerReady, LoadDone,
     LoadEvent, MatchResult, PinResult, PoolHandle, Stats, StoreResult, Tier, Timing,
@@ -18,6 +21,68 @@ from .results import (
 PoolRef = Union[PoolHandle, int]
 #: Slots: a sequence of ints or an integer numpy array.
 SlotsLike = Union[Sequence[int], np.ndarray]
+#: A pool's layout: per layer ``(k_buffer, k_offset, v_buffer, v_offset, slot_stride)``, in
+#: bytes (docs/api.md, "Pool layouts and GPU pools").
+LayoutLike = Sequence[tuple[int, int, int, int, int]]
+#: A GPU buffer: ``(ipc_handle, offset_bytes, size_bytes)``.
+CudaBufferLike = tuple[bytes, int, int]
+
+
+def pool_layout(layout: LayoutLike | None) -> pb.PoolLayout | None:
+    """The proto of ``layout``; None for none (an empty layout is left out too)."""
+    if not layout:
+        return None
+    return pb.PoolLayout(layers=[
+        pb.LayerLayout(k_buffer=kb, k_offset=ko, v_buffer=vb, v_offset=vo, slot_stride=st)
+        for kb, ko, vb, vo, st in layout
+    ])
+
+
+class PoolRegistration:
+    """A RegisterPool request and what its handle is made of once the sidecar answers."""
+
+    def __init__(self, request: pb.RegisterPoolRequest, namespace: Namespace, num_slots: int,
+                 mapped: CpuPool | None) -> None:
+        self.request, self.namespace, self.num_slots, self.mapped = request, namespace, num_slots, mapped
+
+    def handle(self, r: pb.RegisterPoolResponse) -> PoolHandle:
+        return PoolHandle(r.pool_id, self.request.session_id, self.namespace, self.num_slots,
+                          int.from_bytes(r.namespace_fingerprint, "little"), self.mapped)
+
+
+def cpu_registration(session_id: int, session_geometry: Geometry, pool: CpuPool | str | os.PathLike[str],
+                     model_id: str, tp_rank: int, tp_size: int, geometry: Geometry | None,
+                     num_slots: int | None, layout: LayoutLike | None) -> PoolRegistration:
+    """RegisterPool of a CPU pool: a :class:`CpuPool`, or a file's path with its geometry
+    (default: the session's), ``num_slots`` and, for memory without kvtier's pool header (an
+    engine's own shared KV), its ``layout``."""
+    if isinstance(pool, CpuPool):
+        path, g, slots, mapped = str(pool.path), pool.geometry, pool.num_slots, pool
+    else:
+        if num_slots is None:
+            raise ValueError("register_pool by path needs num_slots")
+        path, g, slots, mapped = os.fspath(pool), geometry or session_geometry, num_slots, None
+    req = pb.RegisterPoolRequest(session_id=session_id, model_id=model_id, geometry=g.to_proto(),
+                                 num_slots=slots, tp_rank=tp_rank, tp_size=tp_size, shm_path=path,
+                                 layout=pool_layout(layout))
+    return PoolRegistration(req, Namespace(model_id, g, tp_rank, tp_size), slots, mapped)
+
+
+def cuda_registration(session_id: int, geometry: Geometry, buffers: Sequence[CudaBufferLike],
+                      layout: LayoutLike, model_id: str, num_slots: int, device_ordinal: int,
+                      device_uuid: bytes, tp_rank: int, tp_size: int) -> PoolRegistration:
+    """RegisterPool of GPU memory by CUDA IPC handles (an empty layout is left out: the
+    sidecar then says a CUDA pool needs one)."""
+    req = pb.RegisterPoolRequest(
+        session_id=session_id, model_id=model_id, geometry=geometry.to_proto(), num_slots=num_slots,
+        tp_rank=tp_rank, tp_size=tp_size,
+        cuda=pb.CudaPool(
+            device_ordinal=device_ordinal, device_uuid=device_uuid,
+            buffers=[pb.CudaBuffer(ipc_handle=h, offset_bytes=o, size_bytes=n) for h, o, n in buffers],
+        ),
+        layout=pool_layout(layout),
+    )
+    return PoolRegistration(req, Namespace(model_id, geometry, tp_rank, tp_size), num_slots, None)
 
 
 def pool_id(pool: PoolRef) -> int:

@@ -26,11 +26,11 @@ import numpy as np
 from . import _wire
 from ._proto import kvtier_pb2 as pb
 from ._proto import kvtier_pb2_grpc as pb_grpc
-from ._wire import PoolRef, SlotsLike
+from ._wire import CudaBufferLike, LayoutLike, PoolRef, SlotsLike
 from .client import channel_config
 from .errors import KvtierError, SessionClosed, Unavailable, from_rpc_error
 from .geometry import Geometry
-from .keys import BlockKeys, KeysLike, Namespace
+from .keys import BlockKeys, KeysLike
 from .pool import CpuPool
 from .results import (
     BlocksMissing, ClearResult, DeviceEvent, DeviceEventsResult, LoadDone, LoadEvent,
@@ -235,20 +235,19 @@ class AsyncSession:
 
     async def register_pool(self, pool: CpuPool | str | os.PathLike[str], model_id: str, *, tp_rank: int = 0,
                             tp_size: int = 1, geometry: Geometry | None = None,
-                            num_slots: int | None = None) -> PoolHandle:
+                            num_slots: int | None = None, layout: LayoutLike | None = None) -> PoolHandle:
         """See :meth:`kvtier.Session.register_pool`."""
-        if isinstance(pool, CpuPool):
-            path, g, slots, mapped = str(pool.path), pool.geometry, pool.num_slots, pool
-        else:
-            if num_slots is None:
-                raise ValueError("register_pool by path needs num_slots")
-            path, g, slots, mapped = os.fspath(pool), geometry or self.geometry, num_slots, None
-        r = await self._unary("RegisterPool", pb.RegisterPoolRequest(
-            session_id=self.id, model_id=model_id, geometry=g.to_proto(), num_slots=slots,
-            tp_rank=tp_rank, tp_size=tp_size, shm_path=path,
-        ))
-        return PoolHandle(r.pool_id, self.id, Namespace(model_id, g, tp_rank, tp_size), slots,
-                          int.from_bytes(r.namespace_fingerprint, "little"), mapped)
+        reg = _wire.cpu_registration(self.id, self.geometry, pool, model_id, tp_rank, tp_size, geometry,
+                                     num_slots, layout)
+        return reg.handle(await self._unary("RegisterPool", reg.request))
+
+    async def register_cuda_pool(self, buffers: Sequence[CudaBufferLike], layout: LayoutLike, model_id: str, *,
+                                 num_slots: int, device_ordinal: int = 0, device_uuid: bytes = b"",
+                                 tp_rank: int = 0, tp_size: int = 1) -> PoolHandle:
+        """See :meth:`kvtier.Session.register_cuda_pool`."""
+        reg = _wire.cuda_registration(self.id, self.geometry, buffers, layout, model_id, num_slots,
+                                      device_ordinal, device_uuid, tp_rank, tp_size)
+        return reg.handle(await self._unary("RegisterPool", reg.request))
 
     async def unregister_pool(self, pool: PoolRef) -> None:
         await self._unary("UnregisterPool", pb.UnregisterPoolRequest(session_id=self.id, pool_id=_wire.pool_id(pool)))

@@ -23,10 +23,10 @@ import numpy as np
 
 from . import _wire
 from ._proto import kvtier_pb2 as pb
-from ._wire import PoolRef, SlotsLike
+from ._wire import CudaBufferLike, LayoutLike, PoolRef, SlotsLike
 from .errors import KvtierError, SessionClosed, from_rpc_error
 from .geometry import Geometry
-from .keys import BlockKeys, KeysLike, Namespace
+from .keys import BlockKeys, KeysLike
 from .pool import CpuPool
 from .results import (
     BlocksMissing, ClearResult, DeviceEvent, DeviceEventsResult, LoadDone, LoadEvent,
@@ -180,29 +180,23 @@ class Session:
         tp_size: int = 1,
         geometry: Geometry | None = None,
         num_slots: int | None = None,
+        layout: LayoutLike | None = None,
     ) -> PoolHandle:
         """Registers a CPU pool (a :class:`~kvtier.pool.CpuPool`, or a pool file's path with its
         claimed ``geometry`` — default: the session's — and ``num_slots``) for ``model_id`` on
-        tensor-parallel rank ``tp_rank`` of ``tp_size``."""
-        if isinstance(pool, CpuPool):
-            path, g, slots, mapped = str(pool.path), pool.geometry, pool.num_slots, pool
-        else:
-            if num_slots is None:
-                raise ValueError("register_pool by path needs num_slots")
-            path, g, slots, mapped = os.fspath(pool), geometry or self.geometry, num_slots, None
-        r = self._unary("RegisterPool", pb.RegisterPoolRequest(
-            session_id=self.id, model_id=model_id, geometry=g.to_proto(), num_slots=slots,
-            tp_rank=tp_rank, tp_size=tp_size, shm_path=path,
-        ))
-        h = PoolHandle(r.pool_id, self.id, Namespace(model_id, g, tp_rank, tp_size), slots,
-                       int.from_bytes(r.namespace_fingerprint, "little"), mapped)
+        tensor-parallel rank ``tp_rank`` of ``tp_size``. A shared-memory file without kvtier's
+        pool header (an engine's own KV) needs its ``layout``: per layer ``(k_buffer, k_offset,
+        v_buffer, v_offset, slot_stride)`` in bytes from the file's start (buffer 0)."""
+        reg = _wire.cpu_registration(self.id, self.geometry, pool, model_id, tp_rank, tp_size, geometry,
+                                     num_slots, layout)
+        h = reg.handle(self._unary("RegisterPool", reg.request))
         self._pools[h.pool_id] = h
         return h
 
     def register_cuda_pool(
         self,
-        buffers: Sequence[tuple[bytes, int, int]],
-        layout: Sequence[tuple[int, int, int, int, int]],
+        buffers: Sequence[CudaBufferLike],
+        layout: LayoutLike,
         model_id: str,
         *,
         num_slots: int,
@@ -219,22 +213,9 @@ class Session:
         with ``h`` half a block-layer). A sidecar without usable CUDA raises
         :class:`~kvtier.errors.FailedPrecondition` saying why; a layout or buffer that does not
         fit raises :class:`~kvtier.errors.InvalidArgument` naming the field."""
-        g = self.geometry
-        r = self._unary("RegisterPool", pb.RegisterPoolRequest(
-            session_id=self.id, model_id=model_id, geometry=g.to_proto(), num_slots=num_slots,
-            tp_rank=tp_rank, tp_size=tp_size,
-            cuda=pb.CudaPool(
-                device_ordinal=device_ordinal, device_uuid=device_uuid,
-                buffers=[pb.CudaBuffer(ipc_handle=h, offset_bytes=o, size_bytes=n) for h, o, n in buffers],
-            ),
-            # An empty layout is left out: the sidecar then says a CUDA pool needs one.
-            layout=pb.PoolLayout(layers=[
-                pb.LayerLayout(k_buffer=kb, k_offset=ko, v_buffer=vb, v_offset=vo, slot_stride=st)
-                for kb, ko, vb, vo, st in layout
-            ]) if layout else None,
-        ))
-        h = PoolHandle(r.pool_id, self.id, Namespace(model_id, g, tp_rank, tp_size), num_slots,
-                       int.from_bytes(r.namespace_fingerprint, "little"), None)
+        reg = _wire.cuda_registration(self.id, self.geometry, buffers, layout, model_id, num_slots,
+                                      device_ordinal, device_uuid, tp_rank, tp_size)
+        h = reg.handle(self._unary("RegisterPool", reg.request))
         self._pools[h.pool_id] = h
         return h
 

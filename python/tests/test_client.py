@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -335,6 +336,57 @@ def test_cuda_pool_needs_a_layout_and_says_why_cuda_is_missing(session: kvtier.S
     with pytest.raises((kvtier.FailedPrecondition, kvtier.InvalidArgument)) as e:
         session.register_cuda_pool(buffers, vllm, "gpu", num_slots=slots)
     assert "CUDA" in e.value.message or "cuda.buffers[0].ipc_handle" in e.value.message
+
+
+def test_engine_memory_registers_by_path_with_its_layout(session: kvtier.Session, tmp_path: Path) -> None:
+    """A shared file without kvtier's header (an engine's own KV, here vLLM's [2, blocks, ...]
+    per layer) registers with its layout: store from it, zero it, load back bit-exact; without
+    a layout, or with one that runs past the file, it is refused."""
+    g = session.geometry
+    half = g.block_layer_bytes // 2
+    slots = 6
+    path = tmp_path / "engine-kv"
+    size = g.layers * 2 * slots * half
+    with open(path, "wb") as f:
+        f.truncate(size)
+    with open(path, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), size)
+    kv = np.frombuffer(mm, dtype=np.uint8).reshape(g.layers, 2, slots, half)  # [layer][K|V][slot]
+    layout = [(0, layer * 2 * slots * half, 0, (layer * 2 + 1) * slots * half, half) for layer in range(g.layers)]
+    h = session.register_pool(path, "engine-layout", num_slots=slots, layout=layout)
+    rng = np.random.default_rng(5)
+    kv[:] = rng.integers(0, 256, kv.shape, dtype=np.uint8)
+    want = kv[:, :, 0:3].copy()
+    keys = h.keys(list(range(3 * g.block_tokens)))
+    assert session.store(h, keys, [0, 1, 2]).stored_blocks == 3
+    kv[:] = 0
+    assert session.load_wait(h, keys, [3, 4, 5]).loaded_blocks == 3
+    assert np.array_equal(kv[:, :, 3:6], want) and not kv[:, :, 0:3].any()
+    session.unregister_pool(h)
+    with pytest.raises(kvtier.FailedPrecondition) as e:  # no header, and no layout given
+        session.register_pool(path, "no-layout", num_slots=slots)
+    assert "not a kvtier device pool" in e.value.message and "layout" in e.value.message
+    kb, ko, vb, vo, st = layout[-1]
+    with pytest.raises(kvtier.InvalidArgument) as e:  # the last V runs half a block past the end
+        session.register_pool(path, "past-the-end", num_slots=slots, layout=layout[:-1] + [(kb, ko, vb, vo + half, st)])
+    assert f"layout.layers[{g.layers - 1}]" in e.value.message
+    del kv
+    mm.close()
+
+
+def test_asyncio_cuda_pool_says_why(sidecar: Sidecar) -> None:
+    async def run() -> None:
+        async with await kvtier.aio.connect(sidecar.target, "asyncio-cuda") as s:
+            g = s.geometry
+            half = g.block_layer_bytes // 2
+            buffers = [(b"\x00" * 64, 0, 2 * 8 * half)]
+            with pytest.raises(kvtier.InvalidArgument) as e:
+                await s.register_cuda_pool(buffers, [], "gpu", num_slots=8)
+            assert "layout" in e.value.message
+            with pytest.raises((kvtier.FailedPrecondition, kvtier.InvalidArgument)) as e:
+                await s.register_cuda_pool(buffers, [(0, 0, 0, 8 * half, half)] * g.layers, "gpu", num_slots=8)
+            assert "CUDA" in e.value.message or "cuda.buffers[0].ipc_handle" in e.value.message
+    asyncio.run(run())
 
 
 def test_resource_exhausted_and_deadline_exceeded(big_sidecar: tuple[Sidecar, int], tmp_path: Path) -> None:

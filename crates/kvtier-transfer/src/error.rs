@@ -38,7 +38,9 @@ pub enum TransferError {
         actual: KvGeometry,
     },
     /// A file that is not a kvtier device pool, or whose header is damaged.
-    #[error("{path} is not a kvtier device pool: {reason}")]
+    #[error(
+        "{path} is not a kvtier device pool: {reason} (memory without kvtier's pool header, such as an engine's own KV, registers with its layout)"
+    )]
     NotAPool {
         /// The file.
         path: PathBuf,

@@ -21,18 +21,23 @@ of the step and not yet in kvtier). The scheduler registers a one-slot pool only
 namespace in ``Match``.
 
 Worker side (one per TP rank): :meth:`~KvtierConnector.register_kv_caches` takes vLLM's
-per-layer KV tensors. CPU tensors go through a shared-memory staging pool (``staging_slots``
-blocks, the sidecar's geometry) because the sidecar cannot map vLLM's memory; CUDA tensors
-need kvtier's CUDA device path (IPC handles), which does not exist yet, and are refused.
-:meth:`~KvtierConnector.start_load_kv` opens one ``Load`` per request (layer events),
-:meth:`~KvtierConnector.wait_for_layer_load` waits for the layer's ``LayerReady`` and copies
-that layer out of the staging slots into vLLM's blocks; :meth:`~KvtierConnector.wait_for_save`
-copies the step's saved blocks into staging slots and sends one ``Store`` per request on a
-background thread (the slots are freed when it returns), so vLLM's blocks are free as soon as
-the copy is done; :meth:`~KvtierConnector.get_finished` reaps the finished stores, whose keys
-go back to the scheduler (worker metadata) and come out of
-:meth:`~KvtierConnector.take_events` as ``BlockStored`` events (medium ``KVTIER``). Blocks a
-load could not bring (evicted since ``Match``) are reported by
+per-layer KV tensors (CPU or CUDA). Where the sidecar can reach them and a block's K and V are
+each one ``[token][head][dim]`` run (vLLM's ``[2, blocks, token, head, dim]`` layout), they are
+registered in place (:mod:`kvtier.integrations.in_place`: CUDA memory by IPC handle, CPU memory
+in a shared file by its path) and blocks move with no copy in Python: loads land in vLLM's
+blocks, stores read them. Otherwise (``[B, H, N, K‖V]`` layouts interleave K and V; private CPU
+memory; a sidecar without CUDA) they go through a shared-memory staging pool (``staging_slots``
+blocks) that torch copies blocks into and out of. :meth:`~KvtierConnector.start_load_kv` opens
+one ``Load`` per request (layer events); :meth:`~KvtierConnector.wait_for_layer_load` waits for
+the layer's ``LayerReady`` (and copies that layer out of the staging slots);
+:meth:`~KvtierConnector.wait_for_save` sends one ``Store`` per saved run on a background thread
+(through staging, after copying the blocks into staging slots, freed when it returns).
+In place, a finished request whose blocks were saved keeps them (``request_finished`` answers
+True) until :meth:`~KvtierConnector.get_finished` reports its stores done, and
+:meth:`~KvtierConnector.handle_preemptions` lets a preempted request's stores finish before
+vLLM reuses its blocks. Finished stores' keys go back to the scheduler (worker metadata) and
+come out of :meth:`~KvtierConnector.take_events` as ``BlockStored`` events (medium ``KVTIER``).
+Blocks a load could not bring (evicted since ``Match``) are reported by
 :meth:`~KvtierConnector.get_block_ids_with_load_errors`, for vLLM to recompute them.
 
 Copies reorder each block between vLLM's per-layer views (``[block, head, token, K‖V]``, the
@@ -40,7 +45,8 @@ standardized ``[B, H, N, C]`` views of vLLM ≥ 0.34, any physical layout; or th
 ``[2, block, token, head, dim]``) and kvtier's ``[layer][K|V][token][head][dim]``.
 
 ``kv_connector_extra_config`` keys: ``sidecar`` (a target as :func:`kvtier.connect` takes),
-``auth_token``, ``staging_slots`` (default 256), ``model_name`` (default vLLM's served model
+``auth_token``, ``kv_path`` (``auto``, the default: in place where possible, else staging;
+``in_place``: fail where not possible; ``staging``), ``staging_slots`` (default 256), ``model_name`` (default vLLM's served model
 name), ``cache_salt`` (for requests without one), ``client_name``.
 """
 
@@ -49,6 +55,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +75,8 @@ from ..keys import BlockKeys
 from ..pool import CpuPool
 from ..results import BlocksMissing, LayerReady, LoadDone, PoolHandle
 from ..session import LoadStream, Session
-from .staging import open_staging
+from .in_place import NotInPlace, register_in_place
+from .staging import add_staging_pool, open_session, open_staging
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -151,6 +159,12 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    #: Finished requests whose blocks vLLM frees only once the worker reports their stores
+    #: done (``get_finished``): stores read vLLM's blocks in place.
+    delayed_frees: list[str] = field(default_factory=list)
+    #: Requests preempted this step: their blocks are reused, so stores reading them finish
+    #: first (``handle_preemptions``).
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -165,6 +179,13 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 # --- copies between vLLM's per-layer views and kvtier's block layout ------------------------
+
+
+def kv_planes(kv_layer: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V as ``[blocks, token, head, dim]`` views (no copy)."""
+    if kv_layer.dim() == 4:  # [B, H, N, K‖V]
+        return kv_layer[..., :head_dim].transpose(1, 2), kv_layer[..., head_dim:].transpose(1, 2)
+    return kv_layer[0], kv_layer[1]  # [2, B, N, H, D]
 
 
 def blocks_to_kvtier(kv_layer: torch.Tensor, block_ids: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -194,6 +215,8 @@ class _ReqState:
     #: Leading blocks kvtier holds (matched, loaded or planned to be saved).
     known_blocks: int = 0
     keys: BlockKeys = field(default_factory=BlockKeys)
+    #: Whether a save of its blocks was scheduled (its free may wait for the store).
+    saved: bool = False
 
 
 @dataclass
@@ -219,6 +242,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self._staging_slots = int(extra.get("staging_slots", 256))
         if self._staging_slots < 1:
             raise ValueError(f"staging_slots = {self._staging_slots}: give at least 1")
+        self._kv_path = str(extra.get("kv_path", "auto"))
+        if self._kv_path not in ("auto", "in_place", "staging"):
+            raise ValueError(f"kv_path = {self._kv_path!r}: give auto, in_place or staging")
         mc = vllm_config.model_config
         self._model = str(extra.get("model_name") or getattr(mc, "served_model_name", None) or mc.model)
         self._salt = str(extra.get("cache_salt", ""))
@@ -241,6 +267,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._block_info: dict[int, tuple[int | None, list[int]]] = {}
         self._events: list[KVCacheEvent] = []
         self._kv_cache_manager: KVCacheManager | None = None
+        self._delayed_frees: list[str] = []
         # worker side
         self._kv_caches: list[torch.Tensor] = []
         self._staging: torch.Tensor | None = None
@@ -248,7 +275,11 @@ class KvtierConnector(KVConnectorBase_V1):
         self._slot_lock = threading.Condition()
         self._active_loads: list[_ActiveLoad] = []
         self._load_errors: set[int] = set()
-        self._stores: deque[Future[list[int]]] = deque()
+        #: True when vLLM's own KV memory is the registered pool (slots are vLLM's block ids).
+        self._in_place = False
+        self._stores: deque[tuple[str, Future[list[int]]]] = deque()
+        self._stores_of: dict[str, int] = {}   # stores in flight per request
+        self._delayed: set[str] = set()        # finished requests whose free waits on stores
         self._stored_keys: list[int] = []
         self._executor: ThreadPoolExecutor | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -389,6 +420,9 @@ class KvtierConnector(KVConnectorBase_V1):
                 list(toks[: full * bs]) if self._tp_size > 1 else None, first,
             ))
             st.known_blocks = full
+            st.saved = True
+        meta.delayed_frees, self._delayed_frees = self._delayed_frees, []
+        meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -407,12 +441,17 @@ class KvtierConnector(KVConnectorBase_V1):
             ))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forgets the request. Its blocks can be freed at once: saves copy out of vLLM's blocks
-        within the step that computed them."""
-        self._reqs.pop(request.request_id, None)
+        """Forgets the request. A request whose blocks were saved keeps them until the workers
+        report its stores done (``get_finished``), because a worker that registered vLLM's KV
+        in place stores straight from those blocks; with ``kv_path`` = ``staging`` the saves
+        copy out within the step, and the blocks are freed at once."""
+        st = self._reqs.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
-        return False, None
+        if st is None or not st.saved or self._kv_path == "staging":
+            return False, None
+        self._delayed_frees.append(request.request_id)
+        return True, None
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
@@ -423,18 +462,18 @@ class KvtierConnector(KVConnectorBase_V1):
     # ==========================================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Takes vLLM's per-layer KV tensors (CPU) and registers the staging pool."""
+        """Takes vLLM's per-layer KV tensors (CPU or CUDA) and registers them: where they lie
+        when the sidecar can reach them and their layout is kvtier's per block (``kv_path``
+        ``auto`` or ``in_place``; :mod:`kvtier.integrations.in_place`), else a staging pool the
+        blocks are copied through (``auto`` says why in the log; ``in_place`` raises)."""
         g = self._geometry
         missing = [n for n in self._layer_names if n not in kv_caches]
         if missing:
             raise ValueError(f"kvtier: no KV cache for layers {missing}")
         caches = [kv_caches[n] for n in self._layer_names]
         for name, t in zip(self._layer_names, caches):
-            if t.device.type != "cpu":
-                raise NotImplementedError(
-                    f"kvtier: layer {name}'s KV cache is on {t.device}; kvtier's CUDA device path "
-                    "(pools by IPC handle) does not exist yet, only CPU KV caches are supported"
-                )
+            if t.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"kvtier: layer {name}'s KV cache is on {t.device}; kvtier moves CPU and CUDA tensors")
             if t.dtype != _TORCH_DTYPES[g.dtype]:
                 raise ValueError(f"kvtier: layer {name}'s KV cache is {t.dtype}, expected {g.dtype}")
             ok4 = t.dim() == 4 and tuple(t.shape[1:]) == (g.kv_heads, g.block_tokens, 2 * g.head_dim)
@@ -445,14 +484,35 @@ class KvtierConnector(KVConnectorBase_V1):
                     f"[blocks, {g.kv_heads}, {g.block_tokens}, {2 * g.head_dim}] or "
                     f"[2, blocks, {g.block_tokens}, {g.kv_heads}, {g.head_dim}]"
                 )
-        self._open(self._client_name, self._staging_slots)
-        assert self._pool is not None
         self._kv_caches = caches
-        self._staging = (
-            torch.from_numpy(self._pool.raw).view(_TORCH_DTYPES[g.dtype])
-            .view(g.layers, self._staging_slots, 2, g.block_tokens, g.kv_heads, g.head_dim)
-        )
-        self._free = deque(range(self._staging_slots))
+        self._session = open_session(self._target, self._client_name, auth_token=self._auth_token, geometry=g,
+                                     engine_kv="vLLM's KV cache")
+        try:
+            if self._kv_path != "staging":
+                try:
+                    self._handle = register_in_place(
+                        self._session, [kv_planes(t, g.head_dim) for t in caches], self._model,
+                        tp_rank=self._tp_rank, tp_size=self._tp_size)
+                    self._in_place = True
+                    logger.info("kvtier: vLLM's KV cache (%s) registered in place", caches[0].device)
+                except (NotInPlace, KvtierError) as e:
+                    if self._kv_path == "in_place":
+                        raise KvtierError(f"kvtier: kv_path = in_place, but vLLM's KV cache cannot be registered "
+                                          f"in place: {e}") from e
+                    logger.info("kvtier: vLLM's KV cache is copied through a staging pool: %s", e)
+            if not self._in_place:
+                self._pool, self._handle = add_staging_pool(
+                    self._session, slots=self._staging_slots, model=self._model, tp_rank=self._tp_rank,
+                    tp_size=self._tp_size)
+                self._staging = (
+                    torch.from_numpy(self._pool.raw).view(_TORCH_DTYPES[g.dtype])
+                    .view(g.layers, self._staging_slots, 2, g.block_tokens, g.kv_heads, g.head_dim)
+                )
+                self._free = deque(range(self._staging_slots))
+        except BaseException:
+            self._session.close()
+            self._session = None
+            raise
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-store")
 
     # --- staging slots ---------------------------------------------------------------------
@@ -501,12 +561,25 @@ class KvtierConnector(KVConnectorBase_V1):
     # --- loads -----------------------------------------------------------------------------
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Starts this step's loads: one ``Load`` (layer events) per request into staging
-        slots. Blocks beyond the free staging slots are loaded first, whole, in runs."""
+        """Starts this step's loads: one ``Load`` (layer events) per request, straight into
+        vLLM's blocks when its KV is registered in place, else into staging slots (blocks beyond
+        the free staging slots are then loaded first, whole, in runs)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
         session, handle = self._ready()
         self._finish_loads()
+        if self._in_place:
+            for spec in meta.loads:
+                keys = self._worker_keys(spec.keys, spec.token_ids, spec.first_block, spec.cache_salt)
+                a = _ActiveLoad(spec, keys, list(spec.block_ids), None)
+                try:
+                    a.stream = session.load(handle, keys, a.slots, cache_salt=spec.cache_salt)
+                except KvtierError as e:
+                    logger.warning("kvtier: load for %s failed: %s", spec.req_id, e)
+                    self._load_errors.update(spec.block_ids)
+                    continue
+                self._active_loads.append(a)
+            return
         jobs: list[tuple[LoadSpec, BlockKeys, list[int]]] = []
         for spec in meta.loads:
             keys = self._worker_keys(spec.keys, spec.token_ids, spec.first_block, spec.cache_salt)
@@ -575,8 +648,8 @@ class KvtierConnector(KVConnectorBase_V1):
         return ok_s, ok_b
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Waits for every active load's ``LayerReady`` of this layer and copies the layer
-        into vLLM's blocks."""
+        """Waits for every active load's ``LayerReady`` of this layer (and, through a staging
+        pool, copies the layer into vLLM's blocks)."""
         if not self._active_loads:
             return
         try:
@@ -617,7 +690,7 @@ class KvtierConnector(KVConnectorBase_V1):
             while a.done is None and a.ready_layer < layer and self._read_event(a):
                 pass
             upto = min(layer, a.ready_layer)
-            if upto > a.copied:
+            if upto > a.copied and not self._in_place:
                 pairs = [(s, b) for k, s, b in zip(a.keys, a.slots, a.spec.block_ids) if k not in a.missing]
                 if pairs:
                     self._copy_out([s for s, _ in pairs], [b for _, b in pairs], range(a.copied + 1, upto + 1))
@@ -635,7 +708,8 @@ class KvtierConnector(KVConnectorBase_V1):
             if a.done is None:  # the stream ended without LoadDone, or failed
                 a.missing.update(a.keys)
             self._load_errors.update(b for k, b in zip(a.keys, a.spec.block_ids) if k in a.missing)
-            self._give_slots(a.slots)
+            if not self._in_place:
+                self._give_slots(a.slots)
         self._active_loads = []
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -650,8 +724,11 @@ class KvtierConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        """Finishes this step's loads, then copies the step's saved blocks into staging slots
-        and queues one ``Store`` per run; vLLM may reuse its blocks when this returns."""
+        """Finishes this step's loads, then queues one ``Store`` per saved run on a background
+        thread: straight from vLLM's blocks when its KV is registered in place (after the
+        step's GPU work is done; the request's blocks stay vLLM's until ``get_finished``
+        reports it), else from staging slots the blocks are copied into first (vLLM may reuse
+        its blocks when this returns)."""
         self._finish_loads()
         if not self.has_connector_metadata():
             return
@@ -659,25 +736,42 @@ class KvtierConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvtierConnectorMetadata)
         session, handle = self._ready()
         assert self._executor is not None
+        computed: torch.cuda.Event | None = None
+        if self._in_place and meta.saves and self._kv_caches[0].is_cuda:
+            computed = torch.cuda.Event()
+            computed.record()
         for spec in meta.saves:
             keys = self._worker_keys(spec.keys, spec.token_ids, spec.first_block, spec.cache_salt)
             parent = spec.parent
             if self._tp_rank != 0 and spec.first_block and spec.token_ids is not None:
                 parent = self._worker_keys(b"\0" * 16, spec.token_ids, spec.first_block - 1, spec.cache_salt)[0]
+            if self._in_place:
+                self._submit_store(spec.req_id, session, handle, keys, list(spec.block_ids), parent,
+                                   spec.cache_salt, computed)
+                continue
             done = 0
             while done < len(keys):
                 slots = self._take_slots(len(keys) - done)
                 run_keys = keys[done : done + len(slots)]
                 self._copy_in(spec.block_ids[done : done + len(slots)], slots)
-                self._stores.append(self._executor.submit(
-                    self._store, session, handle, run_keys, slots, parent, spec.cache_salt))
+                self._submit_store(spec.req_id, session, handle, run_keys, slots, parent, spec.cache_salt, None)
                 parent = run_keys[-1]
                 done += len(slots)
-            self._reap(block=False)
+        self._delayed.update(meta.delayed_frees)
+        self._reap(block=False)
+
+    def _submit_store(self, req_id: str, session: Session, handle: PoolHandle, keys: BlockKeys, slots: list[int],
+                      parent: int | None, salt: str, computed: torch.cuda.Event | None) -> None:
+        assert self._executor is not None
+        self._stores_of[req_id] = self._stores_of.get(req_id, 0) + 1
+        self._stores.append((req_id, self._executor.submit(
+            self._store, session, handle, keys, slots, parent, salt, computed)))
 
     def _store(self, session: Session, handle: PoolHandle, keys: BlockKeys, slots: list[int],
-               parent: int | None, salt: str) -> list[int]:
+               parent: int | None, salt: str, computed: torch.cuda.Event | None) -> list[int]:
         try:
+            if computed is not None:
+                computed.synchronize()  # the forward that wrote the blocks is done
             r = session.store(handle, keys, slots, parent=parent, cache_salt=salt)
             refused = set(r.no_space)
             return [k for k in keys if k not in refused]
@@ -685,21 +779,48 @@ class KvtierConnector(KVConnectorBase_V1):
             logger.warning("kvtier: store of %d blocks failed: %s", len(keys), e)
             return []
         finally:
-            self._give_slots(slots)
+            if not self._in_place:
+                self._give_slots(slots)
 
-    def _reap(self, block: bool) -> None:
-        while self._stores and (block or self._stores[0].done()):
-            self._stored_keys.extend(self._stores.popleft().result())
+    def _reap(self, block: bool, only: set[str] | None = None) -> None:
+        """Collects finished stores (``block``: waits for them; ``only``: for those requests'
+        stores, which then all finish)."""
+        if block:
+            wait_all([f for r, f in self._stores if only is None or r in only])
+        kept: deque[tuple[str, Future[list[int]]]] = deque()
+        for req_id, f in self._stores:
+            if f.done():
+                self._stored_keys.extend(f.result())
+                n = self._stores_of.get(req_id, 1) - 1
+                if n:
+                    self._stores_of[req_id] = n
+                else:
+                    self._stores_of.pop(req_id, None)
+            else:
+                kept.append((req_id, f))
+        self._stores = kept
+
+    def handle_preemptions(self, kv_connector_metadata: Any = None) -> None:
+        """Before vLLM reuses a preempted request's blocks: its stores that read them in place
+        finish first."""
+        if not self._in_place:
+            return
+        meta = kv_connector_metadata
+        preempted = set(meta) if isinstance(meta, set) else set(getattr(meta, "preempted", None) or ())
+        if preempted:
+            self._reap(block=True, only=preempted)
 
     def flush(self) -> None:
         """Waits for every store in flight (for tests and shutdown)."""
         self._reap(block=True)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Reaps the stores that finished. No request waits on kvtier (its blocks were copied
-        out within the step), so none is reported."""
+        """Reaps the stores that finished; reports the finished requests whose blocks the
+        scheduler kept for them (``delayed_frees``) once none of their stores is in flight."""
         self._reap(block=False)
-        return None, None
+        sent = {r for r in self._delayed if r not in self._stores_of}
+        self._delayed -= sent
+        return (sent or None), None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """The keys of the stores finished since the last step."""

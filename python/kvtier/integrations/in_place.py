@@ -1,0 +1,158 @@
+"""An engine's KV registered with the sidecar where it lies, so loads land in the engine's
+blocks and stores read them with no staging copy.
+
+Each layer's K and V come as ``[blocks, token, head, dim]`` views of the engine's tensors; the
+pool's layout (docs/api.md, "Pool layouts and GPU pools") is read from their strides: a block's
+K (and its V) must be one contiguous ``[token][head][dim]`` run, as kvtier's blocks hold it, and
+consecutive blocks one stride apart. Where the memory is:
+
+- on a GPU: registered by CUDA IPC handle (one buffer per allocation the tensors live in); the
+  sidecar opens it on the same device;
+- on the CPU in a shared file mapping (``/proc/self/maps`` says which file, at which offset):
+  registered by that file's path, which the sidecar maps too;
+- anywhere else (private CPU memory, a layout with K and V interleaved by head or token, as in
+  vLLM's ``[B, H, N, K‖V]`` views): :class:`NotInPlace` says why, and the connector copies
+  through a staging pool instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..results import PoolHandle
+from ..session import Session
+
+
+class NotInPlace(Exception):
+    """The engine's KV cannot be registered where it lies (the message says why)."""
+
+
+def _check_block_runs(x: torch.Tensor, what: str) -> None:
+    """``x`` (``[blocks, token, head, dim]``) holds each block as one contiguous run."""
+    _, n, h, d = x.shape
+    if tuple(x.stride()[1:]) != (h * d, d, 1):
+        raise NotInPlace(
+            f"{what} has strides {tuple(x.stride())} (elements) over [blocks, token, head, dim] = "
+            f"{tuple(x.shape)}: a block's [token, head, dim] is not one run (kvtier's layout needs "
+            f"(…, {h * d}, {d}, 1))"
+        )
+
+
+def layer_layout(planes: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 place: _Place) -> list[tuple[int, int, int, int, int]]:
+    """Per layer ``(k_buffer, k_offset, v_buffer, v_offset, slot_stride)`` in bytes, for K and V
+    views ``[blocks, token, head, dim]``; ``place`` names the buffer and offset of an address."""
+    out = []
+    for i, (k, v) in enumerate(planes):
+        _check_block_runs(k, f"layer {i}'s K")
+        _check_block_runs(v, f"layer {i}'s V")
+        if k.stride(0) != v.stride(0):
+            raise NotInPlace(f"layer {i}: K's block stride {k.stride(0)} != V's {v.stride(0)} (elements)")
+        if k.stride(0) <= 0:
+            raise NotInPlace(f"layer {i}: block stride {k.stride(0)}")
+        kb, ko = place.locate(k)
+        vb, vo = place.locate(v)
+        out.append((kb, ko, vb, vo, k.stride(0) * k.element_size()))
+    return out
+
+
+class _Place:
+    """Names the buffer (an index) and offset of a tensor's first byte."""
+
+    def locate(self, t: torch.Tensor) -> tuple[int, int]:
+        raise NotImplementedError
+
+
+class _CudaPlace(_Place):
+    """One buffer per CUDA allocation (torch storage) the tensors live in."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, tuple[int, torch.UntypedStorage]] = {}
+
+    def locate(self, t: torch.Tensor) -> tuple[int, int]:
+        st = t.untyped_storage()
+        base = st.data_ptr()
+        if base not in self.storages:
+            self.storages[base] = (len(self.storages), st)
+        return self.storages[base][0], t.data_ptr() - base
+
+    def buffers(self) -> list[tuple[bytes, int, int]]:
+        """``(ipc_handle, offset_bytes, size_bytes)`` per buffer, in index order."""
+        out = []
+        for _, st in sorted(self.storages.values(), key=lambda e: e[0]):
+            # (device, handle, storage size, storage offset in its allocation, ...)
+            share = st._share_cuda_()
+            out.append((bytes(share[1]), int(share[3]), int(share[2])))
+        return out
+
+
+def shared_mapping(addr: int, nbytes: int, maps: str = "/proc/self/maps") -> tuple[str, int]:
+    """The file a shared mapping holds ``[addr, addr + nbytes)`` from, and the file offset of
+    ``addr``; :class:`NotInPlace` where that memory is private, anonymous or split."""
+    with open(maps) as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if not lo <= addr < hi:
+                continue
+            path = parts[5].strip() if len(parts) == 6 else ""
+            if not path.startswith("/") or path.endswith("(deleted)"):
+                raise NotInPlace(f"the KV at {addr:#x} is not in a file mapping ({path or 'anonymous memory'})")
+            if parts[1][3] != "s":
+                raise NotInPlace(f"the KV at {addr:#x} is a private mapping of {path}: the sidecar would not see it")
+            if addr + nbytes > hi:
+                raise NotInPlace(f"the KV at {addr:#x} runs past its mapping of {path}")
+            return path, int(parts[2], 16) + addr - lo
+    raise NotInPlace(f"the KV at {addr:#x} is in no mapping")
+
+
+class _FilePlace(_Place):
+    """One buffer: the shared file every tensor lies in."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+
+    def locate(self, t: torch.Tensor) -> tuple[int, int]:
+        st = t.untyped_storage()
+        path, base = shared_mapping(st.data_ptr(), st.nbytes())
+        if self.path is None:
+            self.path = path
+        elif path != self.path:
+            raise NotInPlace(f"the KV lies in two files ({self.path}, {path}); a CPU pool is one file")
+        return 0, base + t.data_ptr() - st.data_ptr()
+
+
+def _device_uuid(device: torch.device) -> bytes:
+    text = str(torch.cuda.get_device_properties(device).uuid).replace("GPU-", "").replace("-", "")
+    return bytes.fromhex(text) if len(text) == 32 else b""
+
+
+def register_in_place(session: Session, planes: Sequence[tuple[torch.Tensor, torch.Tensor]], model_id: str, *,
+                      tp_rank: int = 0, tp_size: int = 1) -> PoolHandle:
+    """Registers the engine's KV where it lies: per layer its K and V as ``[blocks, token,
+    head, dim]`` views (every layer the same number of blocks, which are the pool's slots).
+    Raises :class:`NotInPlace` where that cannot be done, and the sidecar's error (e.g.
+    :class:`~kvtier.errors.FailedPrecondition` from a sidecar without CUDA) where it refuses."""
+    if not planes:
+        raise NotInPlace("no layers")
+    device = planes[0][0].device
+    blocks = planes[0][0].shape[0]
+    for i, (k, v) in enumerate(planes):
+        for x in (k, v):
+            if x.device != device or x.shape[0] != blocks:
+                raise NotInPlace(f"layer {i}: {x.shape[0]} blocks on {x.device}, layer 0 {blocks} on {device}")
+    if device.type == "cuda":
+        cuda = _CudaPlace()
+        layout = layer_layout(planes, cuda)
+        return session.register_cuda_pool(
+            cuda.buffers(), layout, model_id, num_slots=blocks, device_ordinal=device.index or 0,
+            device_uuid=_device_uuid(device), tp_rank=tp_rank, tp_size=tp_size)
+    if device.type == "cpu":
+        file = _FilePlace()
+        layout = layer_layout(planes, file)
+        assert file.path is not None
+        return session.register_pool(file.path, model_id, num_slots=blocks, layout=layout, tp_rank=tp_rank,
+                                     tp_size=tp_size)
+    raise NotInPlace(f"the KV is on {device}")
