@@ -6,6 +6,8 @@
 #   - the IPC test: PyTorch allocates KV in vLLM's layout in another process, the sidecar
 #     opens its handles, store → zero the tensors → load is checked bit-exact, then that
 #     engine dies and the next one is served;
+#   - the same from the Python package (scripts/gpu/in_place_cuda.py): PyTorch KV registered in
+#     place by kvtier.integrations.in_place, as the vLLM connector's worker does;
 #   - `kvtier bench offload --device cuda` for kvtier's and vLLM's layouts (128 KiB
 #     block-layers, Qwen3-30B-A3B geometry), with the pinned cudaMemcpyAsync baselines and
 #     ratios, each copy method for vLLM's split K/V planes, and an equal-bytes duplex run.
@@ -41,7 +43,15 @@ for l in sys.stdin:
     mkdir -p "$bundle"
     strip -o "$bundle/kvtier" target/release/kvtier
     while read -r name exe; do strip -o "$bundle/$name" "$exe"; done <<<"$tests"
-    cp scripts/gpu/torch_kv_pool.py "$bundle/"
+    cp scripts/gpu/torch_kv_pool.py scripts/gpu/in_place_cuda.py "$bundle/"
+    # The Python package and its runtime wheels (the GPU machine has Python 3.12, no network).
+    mkdir -p "$bundle/python" "$bundle/wheels"
+    (cd python && find kvtier -name '*.py' -o -name py.typed) | while read -r f; do
+        mkdir -p "$bundle/python/$(dirname "$f")"; cp "python/$f" "$bundle/python/$f"; done
+    python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: --no-deps \
+        --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$bundle/wheels" \
+        $(grep -E '^(grpcio|protobuf|xxhash|numpy)==' python/requirements-client.txt)
     [ -x "$bundle/cuda_pool" ] && [ -x "$bundle/cuda_ipc" ] || { echo "gpu-check: test binaries missing from $bundle" >&2; exit 1; }
     echo "gpu-check: bundle in $bundle ($(du -sh "$bundle" | cut -f1)) made in $(($(date +%s) - start)) s" >&2
 }
@@ -71,6 +81,19 @@ step "CUDA pool tests (every layout and copy method)"
 
 step "IPC test: a PyTorch pool in vLLM's layout from another process"
 "$bundle/cuda_ipc" --include-ignored --nocapture 2>&1 | grep -v "^$" || status=1
+
+step "Python: KV allocated by PyTorch registered in place (the vLLM connector's CUDA path)"
+pydeps=$(mktemp -d)
+# The wheels unpacked onto PYTHONPATH (numpy only where torch's Python has none).
+"$KVTIER_TORCH_PYTHON" - "$bundle/wheels" "$pydeps" <<'EOF' || status=1
+import glob, importlib.util, sys, zipfile
+for w in sorted(glob.glob(sys.argv[1] + "/*.whl")):
+    if w.rsplit("/", 1)[-1].startswith("numpy-") and importlib.util.find_spec("numpy"):
+        continue
+    zipfile.ZipFile(w).extractall(sys.argv[2])
+EOF
+PYTHONPATH="$pydeps:$bundle/python" "$KVTIER_TORCH_PYTHON" "$bundle/in_place_cuda.py" "$bundle/kvtier" 2>&1 || status=1
+rm -rf "$pydeps"
 
 bench() {
     step "bench offload --device cuda $*"
