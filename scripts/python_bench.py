@@ -12,6 +12,14 @@ together (a barrier); a pass's GiB/s is all clients' bytes over the time from th
 to the last end.
 
 - kvtier put: copy each batch's blocks into pool slots (numpy) + ``Session.store`` of the batch.
+  The pools are block-major by default (``CpuPool.create(..., block_major=True)``: a run of
+  slots is one contiguous run of bytes, so a batch's copy is one memcpy); ``--pool layer``
+  uses kvtier's layer-major pool file (one 1-layer run per block and layer).
+- kvtier-in-place (``--no-in-place`` skips it): the client's blocks *are* its pool's slots
+  (block-major, one slot per block, as an engine whose KV is registered in place: the vLLM
+  connector's in-place path, SGLang's host pool): put is ``Session.store`` of the batch's slots
+  and get ``Session.load`` into them, two loads in flight; nothing to copy. The bytes are
+  checked from the pool after each get pass, untimed.
 - kvtier get: ``Session.load`` of the batch (``done_only``: one reply message) + copy out of
   the slots into a numpy buffer. With ``--pipeline`` (the default) a client double-buffers: it
   starts the next batch's Store/Load on the other half of its pool before copying the current
@@ -59,6 +67,7 @@ class Job:
     pipeline: bool
     seed: int
     copy_threads: int = 1
+    block_major: bool = True
 
 
 def _copier(threads: int):  # noqa: ANN202
@@ -102,7 +111,7 @@ def _worker(job: Job, barrier) -> dict:  # noqa: ANN001
 
     rng = np.random.default_rng(job.seed + job.client)
     res: dict[str, list] = {"put": [], "get": [], "detail": []}
-    if job.system == "kvtier":
+    if job.system.startswith("kvtier"):
         sess = kvtier.connect(job.target, f"bench-{job.client}")
         g = sess.geometry
     else:
@@ -114,11 +123,15 @@ def _worker(job: Job, barrier) -> dict:  # noqa: ANN001
     src = rng.integers(0, 256, size=(n, bb), dtype=np.uint8)    # the blocks, one row each
     dst = np.zeros((n, bb), dtype=np.uint8)                      # where gets land (touched)
 
-    if job.system == "kvtier":
+    if job.system.startswith("kvtier"):
+        # In place: the blocks live in the pool (an engine whose KV is the pool), no copies.
+        in_place = job.system == "kvtier-in-place"
         halves = 2 if job.pipeline else 1
-        slots = halves * b
-        pool = kvtier.CpuPool.create(g, num_slots=slots)
+        slots = n if in_place else halves * b
+        pool = kvtier.CpuPool.create(g, num_slots=slots, block_major=job.block_major or in_place)
         pool.raw[:] = 1                                          # map every page now
+        if in_place:
+            pool.blocks[:] = src
         h = sess.register_pool(pool, f"python-bench-{job.client}")
         keys = h.keys(_tokens(job.client, n, g.block_tokens))
         L, B = g.layers, g.block_layer_bytes
@@ -129,7 +142,7 @@ def _worker(job: Job, barrier) -> dict:  # noqa: ANN001
         copy = _copier(job.copy_threads)
 
         def slot_range(k: int, m: int) -> range:
-            s0 = (k % halves) * b
+            s0 = starts[k] if in_place else (k % halves) * b
             return range(s0, s0 + m)
 
         def put_pass() -> tuple[float, float, dict]:
@@ -141,7 +154,12 @@ def _worker(job: Job, barrier) -> dict:  # noqa: ANN001
                 m = min(b, n - i0)
                 sr = slot_range(k, m)
                 c0 = time.perf_counter()
-                copy(pool.raw[:, sr.start:sr.stop], src_l[:, i0:i0 + m])
+                if in_place:
+                    pass
+                elif job.block_major:  # each block one run: one memcpy per batch
+                    copy(pool.blocks[sr.start:sr.stop], src[i0:i0 + m])
+                else:
+                    copy(pool.raw[:, sr.start:sr.stop], src_l[:, i0:i0 + m])
                 c1 = time.perf_counter()
                 d["copy"] += c1 - c0
                 parent = None if i0 == 0 else keys[i0 - 1]
@@ -187,6 +205,18 @@ def _worker(job: Job, barrier) -> dict:  # noqa: ANN001
 
             barrier.wait()
             t0 = time.perf_counter()
+            if in_place:  # two loads in flight, nothing to copy
+                ahead = [start(0)]
+                for k in range(len(starts)):
+                    if k + 1 < len(starts):
+                        ahead.append(start(k + 1))
+                    ld, _, m = ahead.pop(0)
+                    r0 = time.perf_counter()
+                    finish(ld, m)
+                    d["rpc"] += time.perf_counter() - r0
+                t1 = time.perf_counter()
+                dst[:] = pool.blocks                            # for the check, untimed
+                return t0, t1, d
             nxt = start(0)
             for k in range(len(starts)):
                 ld, i0, m = nxt
@@ -197,7 +227,10 @@ def _worker(job: Job, barrier) -> dict:  # noqa: ANN001
                 nxt = start(k + 1) if job.pipeline and k + 1 < len(starts) else None
                 r1 = time.perf_counter()
                 sr = slot_range(k, m)
-                copy(dst_l[:, i0:i0 + m], pool.raw[:, sr.start:sr.stop])
+                if job.block_major:
+                    copy(dst[i0:i0 + m], pool.blocks[sr.start:sr.stop])
+                else:
+                    copy(dst_l[:, i0:i0 + m], pool.raw[:, sr.start:sr.stop])
                 c1 = time.perf_counter()
                 d["rpc"] += r1 - r0
                 d["copy"] += c1 - r1
@@ -276,7 +309,7 @@ def _worker(job: Job, barrier) -> dict:  # noqa: ANN001
                 raise RuntimeError(f"{job.system} get: {bad} of {n} blocks differ from what was put")
         clear()
     finally:
-        if job.system == "kvtier":
+        if job.system.startswith("kvtier"):
             if executor is not None:
                 executor.shutdown()
             sess.unregister_pool(h)
@@ -287,12 +320,12 @@ def _worker(job: Job, barrier) -> dict:  # noqa: ANN001
 
 
 def run(system: str, target: str, clients: int, batch: int, blocks: int, reps: int,
-        pipeline: bool, seed: int, copy_threads: int = 1) -> dict:
+        pipeline: bool, seed: int, copy_threads: int = 1, block_major: bool = True) -> dict:
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(clients)
     out = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(Job(system, target, c, clients, batch, blocks, reps,
-                                                   pipeline, seed, copy_threads), barrier, out))
+                                                   pipeline, seed, copy_threads, block_major), barrier, out))
              for c in range(clients)]
     for p in procs:
         p.start()
@@ -341,6 +374,11 @@ def main() -> None:
     ap.add_argument("--no-batch1", action="store_true", help="skip the one-block-per-call reference")
     ap.add_argument("--no-pipeline", action="store_true",
                     help="kvtier clients wait for each call before copying the next batch")
+    ap.add_argument("--pool", choices=("block", "layer"), default="block",
+                    help="kvtier clients' pools: block-major (each block one run, the default) or "
+                         "layer-major (kvtier's pool file format: a block is one run per layer)")
+    ap.add_argument("--no-in-place", action="store_true",
+                    help="skip the in-place rows (the blocks live in the client's pool: no copies)")
     ap.add_argument("--copy-threads", type=int, default=1,
                     help="threads a kvtier client copies into/out of its pool with (default 1)")
     ap.add_argument("--detail", action="store_true", help="print where the time goes")
@@ -363,7 +401,7 @@ def main() -> None:
     print(f"# GiB/s over all clients, median of {a.reps} passes (best in brackets); "
           f"copies into/out of the pool and of Redis replies timed; bytes verified after each get")
     print(f"# kvtier: {'double-buffered' if not a.no_pipeline else 'one call at a time'}, "
-          f"load done_only, store/load one call per batch")
+          f"load done_only, store/load one call per batch, {a.pool}-major pools")
 
     batches = [int(x) for x in a.batch.split(",")]
     if len(batches) == 1:
@@ -376,10 +414,11 @@ def main() -> None:
             blocks = -(-int(ws_mib * MiB) // (bb * batch)) * batch   # whole batches, >= ws
             for c in clients:
                 rows = {}
-                for system in ("kvtier", "redis"):
-                    tgt = target if system == "kvtier" else f"{a.redis_port}|{target}"
+                systems = ("kvtier", "redis") if a.no_in_place or not pipeline else ("kvtier", "kvtier-in-place", "redis")
+                for system in systems:
+                    tgt = target if system.startswith("kvtier") else f"{a.redis_port}|{target}"
                     rows[system] = run(system, tgt, c, batch, blocks, reps, pipeline, a.seed,
-                                       a.copy_threads if system == "kvtier" else 1)
+                                       a.copy_threads if system == "kvtier" else 1, a.pool == "block")
                     for op in ("put", "get"):
                         med, best, d = rows[system][op]
                         line = (f"{system:6s} block={human(bb):7s} clients={c} batch={batch:<3d} "
@@ -397,6 +436,11 @@ def main() -> None:
                       f"kvtier_to_redis put={k['put'][0] / r['put'][0]:.2f} get={k['get'][0] / r['get'][0]:.2f}"
                       f"  ({blocks} blocks = {blocks * bb / MiB:.0f} MiB per client, layers={g.layers})",
                       flush=True)
+                if "kvtier-in-place" in rows:
+                    k = rows["kvtier-in-place"]
+                    print(f"ratio  block={human(bb):7s} clients={c} batch={batch:<3d} "
+                          f"kvtier_in_place_to_redis put={k['put'][0] / r['put'][0]:.2f} "
+                          f"get={k['get'][0] / r['get'][0]:.2f}", flush=True)
 
     t = time.monotonic()
     measure(batches, float(a.ws), a.reps, not a.no_pipeline)

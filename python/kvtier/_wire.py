@@ -53,11 +53,13 @@ class PoolRegistration:
 def cpu_registration(session_id: int, session_geometry: Geometry, pool: CpuPool | str | os.PathLike[str],
                      model_id: str, tp_rank: int, tp_size: int, geometry: Geometry | None,
                      num_slots: int | None, layout: LayoutLike | None) -> PoolRegistration:
-    """RegisterPool of a CPU pool: a :class:`CpuPool`, or a file's path with its geometry
-    (default: the session's), ``num_slots`` and, for memory without kvtier's pool header (an
-    engine's own shared KV), its ``layout``."""
+    """RegisterPool of a CPU pool: a :class:`CpuPool` (with its layout when it is block-major),
+    or a file's path with its geometry (default: the session's), ``num_slots`` and, for memory
+    without kvtier's pool header (an engine's own shared KV), its ``layout``."""
     if isinstance(pool, CpuPool):
         path, g, slots, mapped = str(pool.path), pool.geometry, pool.num_slots, pool
+        if layout is None:
+            layout = pool.layout
     else:
         if num_slots is None:
             raise ValueError("register_pool by path needs num_slots")

@@ -5,6 +5,11 @@ Format v1 (docs/api.md, "The device pool file"), all little-endian: a 4096-byte 
 block_tokens, slot count, zeros), then the KV as ``[layer][slot]`` block-layers, each laid out
 ``[K|V][token][head][dim]``; the file is exactly ``4096 + layers x slots x B`` bytes.
 
+A *block-major* pool (``CpuPool.create(..., block_major=True)``) holds the KV as ``[slot][layer]``
+block-layers instead, with no header: each block is one contiguous run, so copying whole blocks
+into and out of it is one memcpy per run of slots. It is registered with its layout
+(:attr:`CpuPool.layout`, sent by :meth:`kvtier.Session.register_pool`).
+
 :class:`CpuPool` maps the file once; every array it hands out is a numpy *view* of that mapping
 (writes go straight to the shared memory the sidecar copies from and into; nothing is copied).
 """
@@ -73,21 +78,36 @@ class CpuPool:
     :meth:`create` removes its file then unless ``keep_file`` was given.
     """
 
-    def __init__(self, path: Path, geometry: Geometry, num_slots: int, mm: mmap.mmap, owner: bool) -> None:
+    def __init__(self, path: Path, geometry: Geometry, num_slots: int, mm: mmap.mmap, owner: bool,
+                 block_major: bool = False) -> None:
         self.path = path
         self.geometry = geometry
         self.num_slots = num_slots
+        self.block_major = block_major
         self._mmap: mmap.mmap | None = mm
         self._owner = owner
         g = geometry
-        data = np.frombuffer(mm, dtype=np.uint8, offset=HEADER_BYTES,
-                             count=g.layers * num_slots * g.block_layer_bytes)
-        self.raw: np.ndarray = data.reshape(g.layers, num_slots, g.block_layer_bytes)
-        """The KV bytes as ``(layers, slots, block-layer bytes)`` uint8 (a view)."""
-        self.kv: np.ndarray = data.view(g.numpy_dtype).reshape(
-            g.layers, num_slots, 2, g.block_tokens, g.kv_heads, g.head_dim
-        )
-        """The KV as ``(layers, slots, K|V, token, head, dim)`` elements (a view)."""
+        B = g.block_layer_bytes
+        data = np.frombuffer(mm, dtype=np.uint8, offset=0 if block_major else HEADER_BYTES,
+                             count=g.layers * num_slots * B)
+        shape = (g.block_tokens, g.kv_heads, g.head_dim)
+        if block_major:
+            self.blocks: np.ndarray = data.reshape(num_slots, g.layers * B)
+            """Block-major pools: the KV bytes as ``(slots, block bytes)``, each row one block
+            (``[layer][K|V][token][head][dim]``), contiguous (a view)."""
+            self.raw: np.ndarray = data.reshape(num_slots, g.layers, B).transpose(1, 0, 2)
+            self.kv: np.ndarray = data.view(g.numpy_dtype).reshape(num_slots, g.layers, 2, *shape).transpose(
+                1, 0, 2, 3, 4, 5)
+            #: The layout the sidecar is given: per layer (k_buffer, k_offset, v_buffer,
+            #: v_offset, slot_stride) in bytes; None for the header format.
+            self.layout: list[tuple[int, int, int, int, int]] | None = [
+                (0, layer * B, 0, layer * B + B // 2, g.layers * B) for layer in range(g.layers)]
+        else:
+            self.raw = data.reshape(g.layers, num_slots, B)
+            """The KV bytes as ``(layers, slots, block-layer bytes)`` uint8 (a view)."""
+            self.kv = data.view(g.numpy_dtype).reshape(g.layers, num_slots, 2, *shape)
+            """The KV as ``(layers, slots, K|V, token, head, dim)`` elements (a view)."""
+            self.layout = None
 
     @classmethod
     def create(
@@ -98,9 +118,11 @@ class CpuPool:
         *,
         keep_file: bool = False,
         prefault: bool = True,
+        block_major: bool = False,
     ) -> CpuPool:
         """Creates the pool file (it must not exist; default: a fresh name under /dev/shm),
-        sizes it, writes its header and maps it.
+        sizes it, writes its header and maps it. ``block_major``: each block one contiguous
+        run, no header (see the module's documentation).
 
         ``prefault`` allocates every page now (posix_fallocate), so that a full /dev/shm is an
         error here rather than a SIGBUS later. The file is removed on :meth:`close` unless
@@ -109,7 +131,7 @@ class CpuPool:
         if not isinstance(num_slots, int) or not 0 < num_slots < 2**32:
             raise ValueError(f"num_slots = {num_slots!r}: expected 1..2^32-1")
         p = Path(path) if path is not None else default_path()
-        size = file_bytes(geometry, num_slots)
+        size = file_bytes(geometry, num_slots) - (HEADER_BYTES if block_major else 0)
         fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -119,19 +141,20 @@ class CpuPool:
                 except OSError as e:
                     if e.errno not in (95, 22):  # EOPNOTSUPP, EINVAL: a file system without it
                         raise
-            os.pwrite(fd, encode_header(geometry, num_slots), 0)
+            if not block_major:
+                os.pwrite(fd, encode_header(geometry, num_slots), 0)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             os.unlink(p)
             raise
         os.close(fd)
-        return cls(p, geometry, num_slots, mm, owner=not keep_file)
+        return cls(p, geometry, num_slots, mm, owner=not keep_file, block_major=block_major)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> CpuPool:
-        """Maps an existing pool file (geometry and slot count from its header); the file is
-        left in place on close."""
+        """Maps an existing pool file (geometry and slot count from its header; block-major
+        pools have none and are not opened this way); the file is left in place on close."""
         p = Path(path)
         fd = os.open(p, os.O_RDWR | os.O_CLOEXEC)
         try:
@@ -158,7 +181,10 @@ class CpuPool:
 
     def offset(self, slot: int, layer: int) -> int:
         """Byte offset in the file of block-layer (``slot``, ``layer``)."""
-        return HEADER_BYTES + (layer * self.num_slots + slot) * self.geometry.block_layer_bytes
+        g = self.geometry
+        if self.block_major:
+            return (slot * g.layers + layer) * g.block_layer_bytes
+        return HEADER_BYTES + (layer * self.num_slots + slot) * g.block_layer_bytes
 
     @property
     def closed(self) -> bool:
@@ -176,6 +202,8 @@ class CpuPool:
         if mm is None:
             return
         del self.kv, self.raw
+        if self.block_major:
+            del self.blocks
         try:
             mm.close()
         except BufferError:
@@ -193,4 +221,5 @@ class CpuPool:
         self.close()
 
     def __repr__(self) -> str:
-        return f"CpuPool({str(self.path)!r}, {self.geometry}, num_slots={self.num_slots})"
+        major = ", block_major=True" if self.block_major else ""
+        return f"CpuPool({str(self.path)!r}, {self.geometry}, num_slots={self.num_slots}{major})"

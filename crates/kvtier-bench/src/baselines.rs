@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use kvtier_store::{Prefault, ShmRegion};
+use kvtier_store::{CopyKind, Prefault, ShmRegion};
 
 use crate::BenchError;
 
@@ -23,21 +23,23 @@ pub(crate) fn gib_s(bytes: u64, d: Duration) -> f64 {
     }
 }
 
-/// Plain memcpy of a batch's bytes between two prefaulted shared-memory buffers, with as many
+/// A plain copy of a batch's bytes between two prefaulted shared-memory buffers, with as many
 /// threads as the queues have, each copying its contiguous share in as few calls as the
-/// buffer allows: the bus bandwidth the queues are measured against.
+/// buffer allows: the bus bandwidth the queues are measured against. `kind` is the C library's
+/// `memcpy` (seed 003's baseline) or the streaming copy kvtier's transfers use.
 pub(crate) struct MemcpyBaseline {
     src: ShmRegion,
     dst: ShmRegion,
     threads: usize,
     total_bytes: u64,
+    kind: CopyKind,
 }
 
 /// Largest baseline buffer; bigger batches copy it several times (same total bytes).
 const BASELINE_MAX_BUFFER: u64 = 1 << 30;
 
 impl MemcpyBaseline {
-    pub(crate) fn new(total_bytes: u64, threads: usize) -> Result<Self, BenchError> {
+    pub(crate) fn new(total_bytes: u64, threads: usize, kind: CopyKind) -> Result<Self, BenchError> {
         let threads = threads.max(1);
         let len = total_bytes
             .min(BASELINE_MAX_BUFFER)
@@ -50,6 +52,7 @@ impl MemcpyBaseline {
             dst,
             threads,
             total_bytes,
+            kind,
         })
     }
 
@@ -68,7 +71,7 @@ impl MemcpyBaseline {
                         let mut left = per_thread as usize;
                         while left > 0 {
                             let n = left.min(share);
-                            ShmRegion::copy(&self.src, i * share, &self.dst, i * share, n)?;
+                            ShmRegion::copy_as(self.kind, &self.src, i * share, &self.dst, i * share, n)?;
                             left -= n;
                         }
                         Ok((start, Instant::now()))

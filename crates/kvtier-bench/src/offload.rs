@@ -16,8 +16,8 @@ use std::time::Instant;
 use kvtier_core::{ByteSize, Dtype, KvGeometry, LayoutKind, Tier};
 use kvtier_cuda::CopyMethod;
 use kvtier_store::{
-    DirectIo, DiskTierConfig, EvictionKind, HostTierConfig, RemoteTierConfig, TieredStore, TieredStoreConfig,
-    TieredStoreStats, WritePolicy,
+    CopyKind, DirectIo, DiskTierConfig, EvictionKind, HostTierConfig, RemoteTierConfig, TieredStore,
+    TieredStoreConfig, TieredStoreStats, WritePolicy,
 };
 use kvtier_transfer::{DevicePool, QueueStats, RouteStats, TransferConfig, TransferError, TransferQueues};
 use serde::Serialize;
@@ -198,6 +198,11 @@ pub struct OffloadReport {
     pub memcpy_baseline_gib_s: Option<f64>,
     /// `batch_duplex_bw_gib_s.mean / memcpy_baseline_gib_s`; host tier only.
     pub duplex_ratio_to_memcpy: Option<f64>,
+    /// The same copy with the streaming (non-temporal) stores kvtier's transfers use for
+    /// large copies, GiB/s; host tier only.
+    pub stream_copy_baseline_gib_s: Option<f64>,
+    /// `batch_duplex_bw_gib_s.mean / stream_copy_baseline_gib_s`; host tier only.
+    pub duplex_ratio_to_stream_copy: Option<f64>,
     /// Disk figures; disk tier only.
     pub disk: Option<DiskFigures>,
     /// Remote figures; remote tier only.
@@ -228,6 +233,10 @@ impl OffloadReport {
         if let (Some(b), Some(r)) = (self.memcpy_baseline_gib_s, self.duplex_ratio_to_memcpy) {
             lines.push(format!("memcpy_baseline_gib_s={b:.2}"));
             lines.push(format!("duplex_ratio_to_memcpy={r:.3}"));
+        }
+        if let (Some(b), Some(r)) = (self.stream_copy_baseline_gib_s, self.duplex_ratio_to_stream_copy) {
+            lines.push(format!("stream_copy_baseline_gib_s={b:.2}"));
+            lines.push(format!("duplex_ratio_to_stream_copy={r:.3}"));
         }
         if let Some(d) = &self.disk {
             lines.push(format!("disk_io={}", d.io));
@@ -308,7 +317,11 @@ pub fn run_offload(
     let memcpy = match (config.device, config.tier) {
         (BenchDevice::Cuda, _) | (_, Tier::Disk | Tier::Remote) => None,
         (BenchDevice::Cpu, Tier::Device | Tier::Host) => {
-            Some(MemcpyBaseline::new(batch_bytes, bench.queues.copy_threads())?)
+            let threads = bench.queues.copy_threads();
+            Some((
+                MemcpyBaseline::new(batch_bytes, threads, CopyKind::Memcpy)?,
+                MemcpyBaseline::new(batch_bytes, threads, CopyKind::Streaming)?,
+            ))
         }
     };
     // One large pinned copy of a batch's bytes, each way and both at once: before the batches
@@ -356,8 +369,9 @@ pub fn run_offload(
         let batch = bench.run_batch(&new)?;
         if measured {
             record(&mut samples, &batch);
-            if let Some(m) = &memcpy {
+            if let Some((m, st)) = &memcpy {
                 samples.memcpy.push(m.run_once()?);
+                samples.stream_copy.push(st.run_once()?);
             }
             if let Some(d) = &disk_baseline
                 && (round - config.warmup_rounds).is_multiple_of(disk_every)
@@ -661,6 +675,7 @@ impl Bench {
             _ => None,
         };
         let memcpy_baseline = memcpy.then(|| Summary::of(&samples.memcpy).mean);
+        let stream_baseline = memcpy.then(|| Summary::of(&samples.stream_copy).mean);
         let disk = self
             .store
             .disk()
@@ -712,7 +727,9 @@ impl Bench {
             copy_threads: self.queues.copy_threads(),
             seed,
             memcpy_baseline_gib_s: memcpy_baseline,
-            duplex_ratio_to_memcpy: memcpy_baseline.map(|b| if b > 0.0 { batch_bw.mean / b } else { 0.0 }),
+            duplex_ratio_to_memcpy: memcpy_baseline.map(|b| ratio(batch_bw.mean, b)),
+            stream_copy_baseline_gib_s: stream_baseline,
+            duplex_ratio_to_stream_copy: stream_baseline.map(|b| ratio(batch_bw.mean, b)),
             disk,
             remote,
             cuda,
@@ -750,7 +767,8 @@ mod tests {
         assert_eq!(r.seed.batch_makespan_ms.n, 3);
         assert!(r.memcpy_baseline_gib_s.unwrap() > 0.0 && r.duplex_ratio_to_memcpy.unwrap() > 0.0);
         let lines = r.lines();
-        assert_eq!(lines.len(), 14);
+        assert!(r.stream_copy_baseline_gib_s.unwrap() > 0.0 && r.duplex_ratio_to_stream_copy.unwrap() > 0.0);
+        assert_eq!(lines.len(), 16);
         for (line, name) in lines.iter().zip([
             "load_span_ms mean=",
             "store_span_ms mean=",
@@ -764,6 +782,8 @@ mod tests {
             "batch_duplex_bw_gib_s mean=",
             "memcpy_baseline_gib_s=",
             "duplex_ratio_to_memcpy=",
+            "stream_copy_baseline_gib_s=",
+            "duplex_ratio_to_stream_copy=",
             "verified_blocks=",
             "dropped_stores=0",
         ]) {

@@ -329,6 +329,7 @@ pub(crate) struct Samples {
     pub makespan: Vec<f64>,
     pub batch_bw: Vec<f64>,
     pub memcpy: Vec<f64>,
+    pub stream_copy: Vec<f64>,
     pub disk_load: Vec<f64>,
     pub disk_store: Vec<f64>,
     pub disk_write_baseline: Vec<f64>,

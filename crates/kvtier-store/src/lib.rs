@@ -43,5 +43,5 @@ pub use host_tier::{
     Reservation,
 };
 pub use remote_tier::{DropReason, RemoteReads, RemoteTier, RemoteTierConfig, RemoteTierStats};
-pub use shm_region::{Prefault, ShmRegion};
+pub use shm_region::{CopyKind, Prefault, ShmRegion};
 pub use tiered_store::{PrefixMatch, TieredStore, TieredStoreConfig, TieredStoreStats, WritePolicy};
