@@ -48,6 +48,8 @@ fn bench_offload_prints_the_seed_lines_then_baseline_and_checks() {
             "batch_duplex_bw_gib_s",
             "memcpy_baseline_gib_s",
             "duplex_ratio_to_memcpy",
+            "stream_copy_baseline_gib_s",
+            "duplex_ratio_to_stream_copy",
             "verified_blocks",
             "dropped_stores",
         ]

@@ -318,7 +318,8 @@ impl ShmRegion {
         &self.device_registration.0
     }
 
-    /// Copies `src` into the region at `offset`.
+    /// Copies `src` into the region at `offset` (streaming stores when it is large, as
+    /// [`ShmRegion::copy`]: what lands in a region is read by another process or later).
     ///
     /// # Errors
     /// [`StoreError::OutOfBounds`] if the range does not fit.
@@ -327,7 +328,7 @@ impl ShmRegion {
         // SAFETY: the range is inside the mapping (checked above) and cannot overlap `src`, which
         // is a Rust slice the caller borrows from elsewhere.
         unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(offset), src.len());
+            copy_bytes(src.as_ptr(), self.map.as_mut_ptr().add(offset), src.len());
         }
         self.check_fault()
     }
@@ -872,8 +873,10 @@ mod tests {
         unusable(mapped.read(0, &mut buf).unwrap_err(), "bus error");
         unusable(mapped.write(0, &buf).unwrap_err(), "bus error");
         unusable(mapped.xxh3_64(0, 16).unwrap_err(), "bus error");
+        // (A copy out of it fails too, after writing what it read: junk, into a scratch region.)
+        let scratch = ShmRegion::create_anonymous("scratch", 4096, Prefault::Touch).unwrap();
         unusable(
-            ShmRegion::copy(&mapped, 0, &other, 0, 16).unwrap_err(),
+            ShmRegion::copy(&mapped, 0, &scratch, 0, 16).unwrap_err(),
             "bus error",
         );
         // Other regions, and the other mapping of the same file, are not affected.
@@ -883,7 +886,8 @@ mod tests {
             kvtier_core::xxh3_64(&vec![0x5a; len])
         );
         // The page still in the file holds its old bytes or the copied ones, nothing else
-        // (whether the copy reached it before faulting depends on the CPU's memcpy order).
+        // (whether the copy reached it before faulting depends on the copy's order: streaming
+        // copies go front to back, glibc's memcpy may write the tail first).
         owner.read(0, &mut buf).unwrap();
         assert!(buf == [0x5a; 16] || buf == [1; 16], "{buf:?}");
         // A fault in a region that was faulted and dropped is not blamed on the next one.

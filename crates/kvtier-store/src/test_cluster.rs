@@ -95,12 +95,47 @@ impl TestCluster {
     /// Runs `redis-cli -c -p <first master's port> args…` and returns its stdout.
     pub fn cli(&self, args: &[&str]) -> String {
         let port = self.nodes[0].rsplit_once(':').map_or("0", |(_, p)| p);
+        Self::cli_at(port, args)
+    }
+
+    fn cli_at(port: &str, args: &[&str]) -> String {
         let out = Command::new("redis-cli")
             .args(["-c", "-p", port])
             .args(args)
             .output()
             .expect("run redis-cli");
         String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Waits until the master on `port` has a replica online that has acknowledged everything
+    /// written to it (replication is asynchronous: a master killed before that loses writes its
+    /// clients saw succeed). False if that did not happen within `timeout`.
+    pub fn wait_replicated(&self, port: u16, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let info = Self::cli_at(&port.to_string(), &["INFO", "replication"]);
+            let field = |name: &str| {
+                info.lines()
+                    .find_map(|l| l.trim().strip_prefix(name))
+                    .and_then(|v| v.parse::<u64>().ok())
+            };
+            let master = field("master_repl_offset:");
+            let caught_up = info.lines().any(|l| {
+                l.starts_with("slave")
+                    && l.contains("state=online")
+                    && l.split(',')
+                        .find_map(|kv| kv.strip_prefix("offset="))
+                        .and_then(|v| v.trim().parse::<u64>().ok())
+                        .is_some_and(|o| Some(o) == master)
+            });
+            if caught_up {
+                return true;
+            }
+            if std::time::Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
     }
 }
 
