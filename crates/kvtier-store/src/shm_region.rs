@@ -696,6 +696,7 @@ pub enum CopyKind {
 /// read back by another process or much later, if at all, and streaming stores skip the
 /// read-for-ownership of every destination line (~1.5x the bandwidth of `memcpy` here for
 /// 128 KiB pieces). Smaller copies use `memcpy`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const STREAM_MIN_BYTES: usize = 64 << 10;
 
 /// Copies `len` bytes from `src` to `dst`: non-temporal 16-byte stores for large copies on
