@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -131,9 +132,18 @@ def worker(config: VllmConfig, kcc: KVCacheConfig, layout: KVCacheLayout = KVCac
     return w, caches
 
 
+def block_of(t: torch.Tensor, block: int) -> torch.Tensor:
+    """One block of one layer's cache, a view: [H, N, K‖V] of the 4-D views, [K|V, N, H, D] of
+    the older 5-D [2, blocks, token, head, dim] tensors."""
+    return t[block] if t.dim() == 4 else t[:, block]
+
+
 def kvtier_view(caches: dict[str, torch.Tensor], block: int) -> torch.Tensor:
     """One block of every layer as kvtier's (layer, K|V, token, head, dim), whatever the layout."""
-    return torch.stack([caches[n][block].unflatten(-1, (2, DIM)).permute(2, 1, 0, 3) for n in NAMES])
+    return torch.stack([
+        block_of(t, block).unflatten(-1, (2, DIM)).permute(2, 1, 0, 3) if t.dim() == 4 else block_of(t, block)
+        for t in (caches[n] for n in NAMES)
+    ])
 
 
 def forward(w: KvtierConnector, caches: dict[str, torch.Tensor], out: Any) -> KVConnectorOutput:
@@ -160,7 +170,8 @@ def compute(caches: dict[str, torch.Tensor], block_ids: list[int], gen: torch.Ge
     """The "model" writes KV for blocks it computes (random, remembered per block)."""
     for b in block_ids:
         for n in NAMES:
-            caches[n][b] = torch.randn(caches[n][b].shape, generator=gen).to(torch.float16)
+            dst = block_of(caches[n], b)
+            dst.copy_(torch.randn(dst.shape, generator=gen).to(torch.float16))
         written[b] = kvtier_view(caches, b).clone()
 
 
@@ -379,29 +390,9 @@ def test_kv_in_shared_memory_moves_in_place_and_frees_wait_for_stores(
             assert w._in_place and w._pool is None, "registered in place, no staging pool"
             written: dict[int, torch.Tensor] = {}
 
-            def view(b: int) -> torch.Tensor:  # (layer, K|V, token, head, dim) of block b
-                return torch.stack([caches[n][:, b] for n in NAMES])
-
-            def compute5(block_ids: list[int]) -> None:
-                for b in block_ids:
-                    for n in NAMES:
-                        caches[n][:, b] = torch.randn(caches[n][:, b].shape, generator=gen).to(torch.float16)
-                    written[b] = view(b).clone()
-
-            def step5() -> Any:
-                out = s.schedule()
-                for r in out.scheduled_new_reqs:
-                    first = r.num_computed_tokens // BLOCK
-                    compute5(r.block_ids[0][first:-(-(r.num_computed_tokens + out.num_scheduled_tokens[r.req_id]) // BLOCK)])
-                kvo = forward(w, caches, out)
-                reqs = list(out.num_scheduled_tokens)
-                s.update_from_output(out, ModelRunnerOutput(
-                    req_ids=reqs, sampled_token_ids=[[7] for _ in reqs], kv_connector_output=kvo))
-                return out
-
             prompt = torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()
             s.add_request(request("a", prompt))
-            out = step5()
+            out = step(s, w, caches, gen, written)
             saves = out.kv_connector_metadata.saves
             assert [(sp.req_id, len(sp.block_ids)) for sp in saves] == [("a", 3)]
             a_blocks = saves[0].block_ids
@@ -409,33 +400,42 @@ def test_kv_in_shared_memory_moves_in_place_and_frees_wait_for_stores(
             # "a" is finished but its blocks wait for the worker: the next step's metadata names
             # it, the worker reports its stores done, and only then does vLLM forget it.
             assert not s.has_unfinished_requests() and "a" in s.requests
-            out = step5()
+            out = step(s, w, caches, gen, written)
             assert out.kv_connector_metadata.delayed_frees == ["a"]
             assert "a" not in s.requests and not s.has_requests()
 
             # Preemption: a store in flight on a preempted request's blocks is done when
-            # handle_preemptions returns.
+            # handle_preemptions returns. The store thread is held behind a gate that opens
+            # only some time after handle_preemptions is called, so a handle_preemptions that
+            # did not wait would return before the store ran.
             keys = kvtier.Namespace("test/tiny-llama", kvtier.Geometry(LAYERS, HEADS, DIM, "f16", BLOCK),
                                     cache_salt=salt).keys(list(range(500, 500 + 2 * BLOCK)))
+            gate = threading.Event()
+            assert w._executor is not None
+            w._executor.submit(gate.wait)
             w.bind_connector_metadata(KvtierConnectorMetadata(saves=[SaveSpec("p", keys.packed, [20, 21], None, salt)]))
             w.wait_for_save()
             w.clear_connector_metadata()
-            w.handle_preemptions(KvtierConnectorMetadata(preempted=["p"]))
             with kvtier.connect(sidecar.target, "checker") as other, kvtier.CpuPool.create(other.geometry, 1) as p1:
                 h = other.register_pool(p1, "test/tiny-llama")
+                assert other.match(h, keys, cache_salt=salt).matched_blocks == 0, "held behind the gate"
+                opener = threading.Timer(0.3, gate.set)
+                opener.start()
+                w.handle_preemptions(KvtierConnectorMetadata(preempted=["p"]))
                 assert other.match(h, keys, cache_salt=salt).matched_blocks == 2
+                opener.join()
 
             # The device forgets; "b" shares a's 3 blocks and loads them into vLLM's blocks.
             assert s.reset_prefix_cache()
             raw.zero_()
             s.add_request(request("b", prompt[: 3 * BLOCK] + [11] * 5))
-            out = step5()
+            out = step(s, w, caches, gen, written)
             nr = out.scheduled_new_reqs[0]
             assert nr.num_computed_tokens == 3 * BLOCK
             for i, b in enumerate(nr.block_ids[0][:3]):
-                assert torch.equal(view(b).view(torch.int16), stored_kv[i].view(torch.int16)), i
+                assert torch.equal(kvtier_view(caches, b).view(torch.int16), stored_kv[i].view(torch.int16)), i
             while s.has_requests():
-                step5()
+                step(s, w, caches, gen, written)
         finally:
             w.shutdown()
             s.connector.shutdown()

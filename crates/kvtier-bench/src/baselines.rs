@@ -27,7 +27,7 @@ pub(crate) fn gib_s(bytes: u64, d: Duration) -> f64 {
 /// threads as the queues have, each copying its contiguous share in as few calls as the
 /// buffer allows: the bus bandwidth the queues are measured against. `kind` is the C library's
 /// `memcpy` (seed 003's baseline) or the streaming copy kvtier's transfers use.
-pub(crate) struct MemcpyBaseline {
+pub(crate) struct CopyBaseline {
     src: ShmRegion,
     dst: ShmRegion,
     threads: usize,
@@ -38,7 +38,7 @@ pub(crate) struct MemcpyBaseline {
 /// Largest baseline buffer; bigger batches copy it several times (same total bytes).
 const BASELINE_MAX_BUFFER: u64 = 1 << 30;
 
-impl MemcpyBaseline {
+impl CopyBaseline {
     pub(crate) fn new(total_bytes: u64, threads: usize, kind: CopyKind) -> Result<Self, BenchError> {
         let threads = threads.max(1);
         let len = total_bytes

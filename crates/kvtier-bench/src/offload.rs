@@ -23,7 +23,7 @@ use kvtier_transfer::{DevicePool, QueueStats, RouteStats, TransferConfig, Transf
 use serde::Serialize;
 
 use crate::BenchError;
-use crate::baselines::{DiskBaseline, MemcpyBaseline, RemoteBaseline, gib_s};
+use crate::baselines::{CopyBaseline, DiskBaseline, RemoteBaseline, gib_s};
 use crate::slot_pool::{BenchDevice, SlotPool};
 use crate::summary::Summary;
 use crate::workload::{BatchResult, NewBlocks, RequestResult, Samples, SeedFigures, Workload, record};
@@ -319,8 +319,8 @@ pub fn run_offload(
         (BenchDevice::Cpu, Tier::Device | Tier::Host) => {
             let threads = bench.queues.copy_threads();
             Some((
-                MemcpyBaseline::new(batch_bytes, threads, CopyKind::Memcpy)?,
-                MemcpyBaseline::new(batch_bytes, threads, CopyKind::Streaming)?,
+                CopyBaseline::new(batch_bytes, threads, CopyKind::Memcpy)?,
+                CopyBaseline::new(batch_bytes, threads, CopyKind::Streaming)?,
             ))
         }
     };

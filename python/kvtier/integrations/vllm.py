@@ -757,7 +757,6 @@ class KvtierConnector(KVConnectorBase_V1):
                 self._submit_store(spec.req_id, session, handle, run_keys, slots, parent, spec.cache_salt, None)
                 parent = run_keys[-1]
                 done += len(slots)
-        self._delayed.update(meta.delayed_frees)
         self._reap(block=False)
 
     def _submit_store(self, req_id: str, session: Session, handle: PoolHandle, keys: BlockKeys, slots: list[int],
@@ -799,6 +798,13 @@ class KvtierConnector(KVConnectorBase_V1):
             else:
                 kept.append((req_id, f))
         self._stores = kept
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Binds the step's metadata and notes its delayed frees at once: vLLM may ask
+        ``get_finished`` before ``wait_for_save`` (deferred finalization)."""
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, KvtierConnectorMetadata):
+            self._delayed.update(connector_metadata.delayed_frees)
 
     def handle_preemptions(self, kv_connector_metadata: Any = None) -> None:
         """Before vLLM reuses a preempted request's blocks: its stores that read them in place
