@@ -218,7 +218,9 @@ struct OffloadArgs {
     #[arg(long, default_value = "cpu")]
     device: BenchDevice,
     /// The device pool's layout: `kvtier` ([slot][K|V]), `vllm` (per layer [2, blocks, …]: K
-    /// and V planes apart) or `sglang` (a K and a V buffer per layer).
+    /// and V planes apart), `vllm-lbnhc` / `vllm-lbhnc` (vLLM ≥ 0.34: per layer [blocks,
+    /// token, head, K‖V] / [blocks, head, token, K‖V], K and V interleaved) or `sglang` (a K
+    /// and a V buffer per layer).
     #[arg(long, default_value = "kvtier")]
     layout: LayoutKind,
     /// With --device cuda: `auto` (the copy kernel where K and V are apart, cudaMemcpyAsync

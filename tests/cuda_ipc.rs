@@ -107,10 +107,10 @@ impl TorchPool {
             (0..g.layers())
                 .map(|l| LayerLayout {
                     k_buffer: l,
-                    k_offset: 0,
                     v_buffer: l,
                     v_offset: u64::from(BLOCKS) * half,
                     slot_stride: half,
+                    ..LayerLayout::default()
                 })
                 .collect(),
         );

@@ -705,14 +705,20 @@ impl tonic::codec::Decoder for RawCodec {
     }
 }
 
-/// Pools in vLLM's and SGLang's layouts register with their layout and round-trip bit-exact;
-/// a layout that does not fit its file is INVALID_ARGUMENT naming the field.
+/// Pools in vLLM's (before and from 0.34, K and V interleaved) and SGLang's layouts register
+/// with their layout and round-trip bit-exact; a layout that does not fit its file is
+/// INVALID_ARGUMENT naming the field.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pools_in_engine_layouts_register_and_load_bit_exact() {
     let sidecar = Sidecar::start(|_| {}).await;
     let g = geometry();
     let slots = 32;
-    for kind in [LayoutKind::Vllm, LayoutKind::Sglang] {
+    for kind in [
+        LayoutKind::Vllm,
+        LayoutKind::VllmLbnhc,
+        LayoutKind::VllmLbhnc,
+        LayoutKind::Sglang,
+    ] {
         let mut client = Client::connect(&sidecar.target, "layout-engine").await.unwrap();
         let path = sidecar.dir.path().join(format!("pool-{kind}"));
         let pool = CpuDevicePool::create_with_layout(

@@ -291,6 +291,27 @@ def test_scheduler_matches_stored_prefixes_and_worker_loads_bit_exact(sidecar: S
         s.connector.shutdown()
 
 
+def store_then_load(a: KvtierConnector, a_caches: dict[str, torch.Tensor], src: list[int],
+                    b: KvtierConnector, b_caches: dict[str, torch.Tensor], dst: list[int],
+                    keys: kvtier.BlockKeys, salt: str) -> None:
+    """Worker ``a`` saves its blocks ``src`` under ``keys``; worker ``b`` loads them into its
+    blocks ``dst`` layer by layer, as vLLM's model runner drives them; the blocks match
+    bit-exact."""
+    a.bind_connector_metadata(KvtierConnectorMetadata(saves=[SaveSpec("x", keys.packed, src, None, salt)]))
+    a.wait_for_save()
+    a.flush()
+    stored = a.build_connector_worker_meta()
+    assert stored is not None and stored.stored == list(keys)
+    b.bind_connector_metadata(KvtierConnectorMetadata(loads=[LoadSpec("y", keys.packed, dst, salt)]))
+    b.start_load_kv(None)  # type: ignore[arg-type]
+    for name in NAMES:
+        b.wait_for_layer_load(name)
+    b.wait_for_save()
+    assert b.get_block_ids_with_load_errors() == set()
+    for s_, d in zip(src, dst):
+        assert torch.equal(kvtier_view(b_caches, d).view(torch.int16), kvtier_view(a_caches, s_).view(torch.int16)), d
+
+
 @pytest.mark.parametrize("layouts", [(KVCacheLayout.LBNHC, KVCacheLayout.BLNHC), (KVCacheLayout.BLNHC, KVCacheLayout.LBHNC)])
 def test_worker_moves_blocks_bit_exact_across_layouts_and_staging_runs(
         sidecar: Sidecar, model_dir: str, layouts: tuple[KVCacheLayout, KVCacheLayout]) -> None:
@@ -308,21 +329,8 @@ def test_worker_moves_blocks_bit_exact_across_layouts_and_staging_runs(
         tokens = torch.randint(0, 30000, (10 * BLOCK,), generator=gen).tolist()
         salt = f"layouts-{layouts[0].name}"
         keys = kvtier.Namespace("test/tiny-llama", kvtier.Geometry(LAYERS, HEADS, DIM, "f16", BLOCK), cache_salt=salt).keys(tokens)
-        src = list(range(3, 13))
-        a.bind_connector_metadata(KvtierConnectorMetadata(saves=[SaveSpec("x", keys.packed, src, None, salt)]))
-        a.wait_for_save()
-        a.flush()
-        stored = a.build_connector_worker_meta()
-        assert stored is not None and stored.stored == list(keys)
-        dst = list(range(40, 50))
-        b.bind_connector_metadata(KvtierConnectorMetadata(loads=[LoadSpec("y", keys.packed, dst, salt)]))
-        b.start_load_kv(None)  # type: ignore[arg-type]
-        for name in NAMES:
-            b.wait_for_layer_load(name)
-        b.wait_for_save()
-        assert b.get_block_ids_with_load_errors() == set()
-        for s_, d in zip(src, dst):
-            assert torch.equal(kvtier_view(b_caches, d).view(torch.int16), kvtier_view(a_caches, s_).view(torch.int16))
+        src, dst = list(range(3, 13)), list(range(40, 50))
+        store_then_load(a, a_caches, src, b, b_caches, dst, keys, salt)
         # Older vLLM's [2, blocks, token, head, dim] per layer.
         old = {n: torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM, dtype=torch.float16) for n in NAMES}
         c = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
@@ -443,24 +451,83 @@ def test_kv_in_shared_memory_moves_in_place_and_frees_wait_for_stores(
         os.unlink(Path("/dev/shm") / f"kvtier-test-vllm-{os.getpid()}")
 
 
-def test_layouts_that_cannot_move_in_place_say_why(sidecar: Sidecar, model_dir: str, tmp_path: Path) -> None:
-    """kv_path = in_place refuses, naming the reason, vLLM ≥ 0.34's K‖V-interleaved layout (in
-    a shared file) and private memory; kv_path = auto copies those through a staging pool."""
-    kcc = kv_cache_config()
-    path = Path("/dev/shm") / f"kvtier-test-vllm4-{os.getpid()}"
+def shm_caches(layout: KVCacheLayout, path: Path) -> dict[str, torch.Tensor]:
+    """Per layer ``[B, H, N, K‖V]`` views of one shared-file allocation laid out physically as
+    ``layout`` names it (its letters outermost first), as vLLM 0.34 views its KV cache."""
+    sizes = {"L": LAYERS, "B": NUM_BLOCKS, "H": HEADS, "N": BLOCK, "C": 2 * DIM}
+    nbytes = LAYERS * NUM_BLOCKS * HEADS * BLOCK * 2 * DIM * 2
+    phys = shm_bytes(path, nbytes).view(torch.float16).view(*(sizes[c] for c in layout.name))
+    logical = phys.permute(*(layout.name.index(c) for c in "LBHNC"))
+    return {n: logical[i] for i, n in enumerate(NAMES)}
+
+
+@pytest.mark.parametrize("layouts", [(KVCacheLayout.LBNHC, KVCacheLayout.BLHNC),
+                                     (KVCacheLayout.BLNHC, KVCacheLayout.LBHNC),
+                                     (KVCacheLayout.LHBNC, KVCacheLayout.BHLNC)])
+def test_vllm_034_layouts_in_shared_memory_move_in_place(
+        sidecar: Sidecar, model_dir: str, layouts: tuple[KVCacheLayout, KVCacheLayout]) -> None:
+    """Every physical layout of vLLM ≥ 0.34 (K and V interleaved per token and head; layers,
+    blocks or heads outermost) in a shared file is registered where it lies (kv_path = in_place,
+    no staging pool): worker A stores 6 blocks, worker B (the other layout) loads them into
+    other block ids, bit-exact. Where vLLM's own allocate_kv_cache builds the layout, its views
+    have the same strides as these."""
+    salt = f"in-place-{layouts[0].name}"
+    config = vllm_config(sidecar, model_dir, kv_path="in_place", cache_salt=salt)
+    paths = [Path("/dev/shm") / f"kvtier-test-vllm-{layout.name}-{os.getpid()}" for layout in layouts]
+    workers: list[KvtierConnector] = []
     try:
-        caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBNHC, allocate=lambda n: shm_bytes(path, n))
-        w = KvtierConnector(vllm_config(sidecar, model_dir, kv_path="in_place"), KVConnectorRole.WORKER, kcc)
-        with pytest.raises(kvtier.KvtierError, match="cannot be registered in place: layer 0's K has strides"):
+        views = []
+        for layout, path in zip(layouts, paths):
+            kcc = kv_cache_config(layout)
+            caches = shm_caches(layout, path)
+            if layout.name not in ("LHBNC", "BHLNC"):  # vLLM 0.34 allocates these only for HNC specs
+                theirs = allocate_kv_cache(kcc, torch.device("cpu"), layout)
+                assert {n: t.stride() for n, t in theirs.items()} == {n: t.stride() for n, t in caches.items()}
+            w = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
+            workers.append(w)
             w.register_kv_caches(caches)
-        w.shutdown()
+            assert w._in_place and w._pool is None, f"{layout.name} registered in place"
+            views.append(caches)
+        a, b = workers
+        gen = torch.Generator().manual_seed(5)
+        for t in views[0].values():
+            t.copy_(torch.randn(t.shape, generator=gen).to(torch.float16))
+        keys = kvtier.Namespace("test/tiny-llama", kvtier.Geometry(LAYERS, HEADS, DIM, "f16", BLOCK),
+                                cache_salt=salt).keys(torch.randint(0, 30000, (6 * BLOCK,), generator=gen).tolist())
+        src, dst = [7, 3, 60, 0, 31, 12], [1, 2, 63, 40, 41, 5]
+        store_then_load(a, views[0], src, b, views[1], dst, keys, salt)
+        # Only the loaded blocks were written.
+        untouched = [blk for blk in range(NUM_BLOCKS) if blk not in dst]
+        assert all(not kvtier_view(views[1], blk).any() for blk in untouched)
+    finally:
+        for w in workers:
+            w.shutdown()
+        for path in paths:
+            path.unlink(missing_ok=True)
+
+
+def test_kv_that_cannot_move_in_place_says_why(sidecar: Sidecar, model_dir: str) -> None:
+    """kv_path = in_place refuses private memory and strides the sidecar cannot copy, naming
+    the reason; kv_path = auto copies those through a staging pool."""
+    kcc = kv_cache_config()
+    w = KvtierConnector(vllm_config(sidecar, model_dir, kv_path="in_place"), KVConnectorRole.WORKER, kcc)
+    private = {n: torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM, dtype=torch.float16) for n in NAMES}
+    with pytest.raises(kvtier.KvtierError, match="not in a file mapping|private mapping"):
+        w.register_kv_caches(private)
+    w.shutdown()
+    path = Path("/dev/shm") / f"kvtier-test-vllm-odd-{os.getpid()}"
+    try:
+        # [2, blocks, token, head, dim] viewed with dim reversed: a head's elements go backwards.
+        raw = shm_bytes(path, 2 * LAYERS * NUM_BLOCKS * BLOCK * HEADS * DIM * 2).view(torch.float16)
+        planes = raw.view(LAYERS, 2, NUM_BLOCKS, BLOCK, HEADS, DIM)
+        odd = {n: planes[i].as_strided(planes[i].shape, (NUM_BLOCKS * BLOCK * HEADS * DIM, BLOCK * HEADS * DIM,
+                                                         HEADS * DIM, 1, HEADS)) for i, n in enumerate(NAMES)}
         w = KvtierConnector(vllm_config(sidecar, model_dir, kv_path="in_place"), KVConnectorRole.WORKER, kcc)
-        private = {n: torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM, dtype=torch.float16) for n in NAMES}
-        with pytest.raises(kvtier.KvtierError, match="not in a file mapping|private mapping"):
-            w.register_kv_caches(private)
+        with pytest.raises(kvtier.KvtierError, match="a head's dim elements are not contiguous"):
+            w.register_kv_caches(odd)
         w.shutdown()
         w = KvtierConnector(vllm_config(sidecar, model_dir), KVConnectorRole.WORKER, kcc)
-        w.register_kv_caches(caches)
+        w.register_kv_caches(private)
         assert not w._in_place and w._pool is not None
         w.shutdown()
     finally:

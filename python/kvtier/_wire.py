@@ -21,9 +21,11 @@ from .results import (
 PoolRef = Union[PoolHandle, int]
 #: Slots: a sequence of ints or an integer numpy array.
 SlotsLike = Union[Sequence[int], np.ndarray]
-#: A pool's layout: per layer ``(k_buffer, k_offset, v_buffer, v_offset, slot_stride)``, in
-#: bytes (docs/api.md, "Pool layouts and GPU pools").
-LayoutLike = Sequence[tuple[int, int, int, int, int]]
+#: A pool's layout: per layer ``(k_buffer, k_offset, v_buffer, v_offset, slot_stride)``, or
+#: with ``token_stride, head_stride`` after them for K and V that are not one
+#: ``[token][head][dim]`` run per slot (0: packed), in bytes (docs/api.md, "Pool layouts and GPU
+#: pools").
+LayoutLike = Sequence[tuple[int, ...]]
 #: A GPU buffer: ``(ipc_handle, offset_bytes, size_bytes)``.
 CudaBufferLike = tuple[bytes, int, int]
 
@@ -32,10 +34,16 @@ def pool_layout(layout: LayoutLike | None) -> pb.PoolLayout | None:
     """The proto of ``layout``; None for none (an empty layout is left out too)."""
     if not layout:
         return None
-    return pb.PoolLayout(layers=[
-        pb.LayerLayout(k_buffer=kb, k_offset=ko, v_buffer=vb, v_offset=vo, slot_stride=st)
-        for kb, ko, vb, vo, st in layout
-    ])
+    layers = []
+    for i, entry in enumerate(layout):
+        if len(entry) not in (5, 7):
+            raise ValueError(f"layout[{i}] has {len(entry)} fields; expected (k_buffer, k_offset, v_buffer, "
+                             "v_offset, slot_stride[, token_stride, head_stride])")
+        kb, ko, vb, vo, st, *rest = entry
+        ts, hs = rest if rest else (0, 0)
+        layers.append(pb.LayerLayout(k_buffer=kb, k_offset=ko, v_buffer=vb, v_offset=vo, slot_stride=st,
+                                     token_stride=ts, head_stride=hs))
+    return pb.PoolLayout(layers=layers)
 
 
 class PoolRegistration:

@@ -100,7 +100,7 @@ class CpuPool:
                 1, 0, 2, 3, 4, 5)
             #: The layout the sidecar is given: per layer (k_buffer, k_offset, v_buffer,
             #: v_offset, slot_stride) in bytes; None for the header format.
-            self.layout: list[tuple[int, int, int, int, int]] | None = [
+            self.layout: list[tuple[int, ...]] | None = [
                 (0, layer * B, 0, layer * B + B // 2, g.layers * B) for layer in range(g.layers)]
         else:
             self.raw = data.reshape(g.layers, num_slots, B)

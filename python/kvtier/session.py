@@ -186,7 +186,8 @@ class Session:
         claimed ``geometry`` — default: the session's — and ``num_slots``) for ``model_id`` on
         tensor-parallel rank ``tp_rank`` of ``tp_size``. A shared-memory file without kvtier's
         pool header (an engine's own KV) needs its ``layout``: per layer ``(k_buffer, k_offset,
-        v_buffer, v_offset, slot_stride)`` in bytes from the file's start (buffer 0)."""
+        v_buffer, v_offset, slot_stride)`` in bytes from the file's start (buffer 0), plus
+        ``token_stride, head_stride`` where K and V are interleaved (vLLM ≥ 0.34)."""
         reg = _wire.cpu_registration(self.id, self.geometry, pool, model_id, tp_rank, tp_size, geometry,
                                      num_slots, layout)
         h = reg.handle(self._unary("RegisterPool", reg.request))
@@ -208,9 +209,10 @@ class Session:
         """Registers KV in GPU memory by CUDA IPC handle (docs/api.md, "Pool layouts and GPU
         pools"). ``buffers``: ``(ipc_handle, offset_bytes, size_bytes)`` per buffer — for a torch
         tensor ``s = t.untyped_storage()._share_cuda_()`` gives ``(s[1], s[3], s[2])``.
-        ``layout``: per layer ``(k_buffer, k_offset, v_buffer, v_offset, slot_stride)`` in bytes
-        (vLLM, a ``[2, num_blocks, ...]`` tensor per layer ``l``: ``(l, 0, l, num_blocks * h, h)``
-        with ``h`` half a block-layer). A sidecar without usable CUDA raises
+        ``layout``: per layer ``(k_buffer, k_offset, v_buffer, v_offset, slot_stride[,
+        token_stride, head_stride])`` in bytes (vLLM, a ``[2, num_blocks, ...]`` tensor per layer
+        ``l``: ``(l, 0, l, num_blocks * h, h)`` with ``h`` half a block-layer;
+        :func:`kvtier.integrations.in_place.layer_layout` reads it from torch views). A sidecar without usable CUDA raises
         :class:`~kvtier.errors.FailedPrecondition` saying why; a layout or buffer that does not
         fit raises :class:`~kvtier.errors.InvalidArgument` naming the field."""
         reg = _wire.cuda_registration(self.id, self.geometry, buffers, layout, model_id, num_slots,

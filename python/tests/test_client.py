@@ -374,6 +374,48 @@ def test_engine_memory_registers_by_path_with_its_layout(session: kvtier.Session
     mm.close()
 
 
+def test_interleaved_engine_memory_registers_with_token_and_head_strides(
+        session: kvtier.Session, tmp_path: Path) -> None:
+    """vLLM ≥ 0.34's LBHNC per layer ([blocks, head, token, K‖V]: K and V interleaved per token
+    and head) registers with token and head strides: a store reads, and a load writes, exactly
+    the engine's K and V elements; strides that make heads overlap are InvalidArgument naming
+    the field; a layout entry of the wrong length is a ValueError."""
+    g = session.geometry
+    d = g.head_dim * g.dtype_bytes  # bytes of one head of one token
+    slots = 4
+    path = tmp_path / "lbhnc-kv"
+    per_slot = g.kv_heads * g.block_tokens * 2 * d
+    size = g.layers * slots * per_slot
+    with open(path, "wb") as f:
+        f.truncate(size)
+    with open(path, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), size)
+    # [layer, block, head, token, K|V, head bytes]
+    kv = np.frombuffer(mm, dtype=np.uint8).reshape(g.layers, slots, g.kv_heads, g.block_tokens, 2, d)
+    layout = [(0, layer * slots * per_slot, 0, layer * slots * per_slot + d, per_slot, 2 * d,
+               g.block_tokens * 2 * d) for layer in range(g.layers)]
+    h = session.register_pool(path, "engine-lbhnc", num_slots=slots, layout=layout)
+    rng = np.random.default_rng(9)
+    kv[:] = rng.integers(0, 256, kv.shape, dtype=np.uint8)
+    want = kv[:, 0:2].copy()
+    keys = h.keys(list(range(2 * g.block_tokens)), cache_salt="lbhnc")
+    assert session.store(h, keys, [0, 1], cache_salt="lbhnc").stored_blocks == 2
+    kv[:] = 0
+    assert session.load_wait(h, keys, [3, 2], cache_salt="lbhnc").loaded_blocks == 2
+    assert np.array_equal(kv[:, 3], want[:, 0]) and np.array_equal(kv[:, 2], want[:, 1])
+    assert not kv[:, 0:2].any()
+    session.unregister_pool(h)
+    # The head stride one token short of the tokens inside it: heads overlap.
+    bad = [(kb, ko, vb, vo, st, ts, hs - 2 * d) for kb, ko, vb, vo, st, ts, hs in layout]
+    with pytest.raises(kvtier.InvalidArgument) as err:
+        session.register_pool(path, "overlapping-heads", num_slots=slots, layout=bad)
+    assert "layout.layers[0].head_stride" in err.value.message and "heads would overlap" in err.value.message
+    with pytest.raises(ValueError, match=r"layout\[0\] has 6 fields"):
+        session.register_pool(path, "six", num_slots=slots, layout=[entry[:6] for entry in layout])
+    del kv
+    mm.close()
+
+
 def test_asyncio_cuda_pool_says_why(sidecar: Sidecar) -> None:
     async def run() -> None:
         async with await kvtier.aio.connect(sidecar.target, "asyncio-cuda") as s:

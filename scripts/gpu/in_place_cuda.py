@@ -3,8 +3,10 @@
 in vLLM's [2, blocks, token, head, dim] layout per layer, registered with the sidecar where it
 lies by kvtier.integrations.in_place (what the vLLM connector's worker does: IPC handles from
 torch's storages, the layout from the tensors' strides), then store -> zero -> load into other
-blocks, checked bit-exact, with the blocks not loaded still zero. Also: the K||V-interleaved
-[B, H, N, 2D] view is refused with the reason (it goes through staging).
+blocks, checked bit-exact, with the blocks not loaded still zero. The same for vLLM >= 0.34's
+LBHNC layout (per layer [blocks, head, token, K||V], K and V interleaved per token and head),
+which the sidecar copies with the copy kernel (many small pieces), and a head whose elements are
+not contiguous must be refused with the reason.
 
 Usage: in_place_cuda.py path/to/kvtier   (the kvtier package and its dependencies importable)
 Prints one line per check; exits 1 on any failure.
@@ -59,38 +61,59 @@ def main() -> None:
             proc.wait()
 
 
+def round_trip(s: kvtier.Session, name: str, caches: list[torch.Tensor],
+               planes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Registers ``planes`` (per layer K and V as [blocks, token, head, dim] views of
+    ``caches``) in place, stores blocks 0..8, zeroes everything, loads them into 16..24 and
+    compares every element, and that nothing else was written."""
+    h = register_in_place(s, planes, f"gpu/{name}")
+    print(f"in_place_cuda: {name}: registered {LAYERS} layers x {BLOCKS} blocks in place (pool {h.pool_id})")
+    g = torch.Generator(device="cuda")
+    g.manual_seed(11)
+    for t in caches:
+        t.view(torch.int16).copy_(torch.randint(-32768, 32767, t.shape, dtype=torch.int16, device="cuda", generator=g))
+    ref = [torch.stack([k[0:8], v[0:8]]).clone() for k, v in planes]
+    torch.cuda.synchronize()  # the writes are done before the sidecar reads
+    keys = h.keys(list(range(8 * TOKENS)), cache_salt=name)
+    t0 = time.perf_counter()
+    r = s.store(h, keys, range(0, 8), cache_salt=name)
+    t_store = time.perf_counter() - t0
+    assert r.stored_blocks == 8, r
+    for t in caches:
+        t.zero_()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    done = s.load_wait(h, keys, range(16, 24), cache_salt=name)
+    t_load = time.perf_counter() - t0
+    assert done.loaded_blocks == 8 and not len(done.missing), done
+    diff = sum(int((torch.stack([k[16:24], v[16:24]]).view(torch.int16) != r_.view(torch.int16)).sum())
+               for (k, v), r_ in zip(planes, ref))
+    loaded = sum(int(torch.stack([k[16:24], v[16:24]]).view(torch.int16).count_nonzero()) for k, v in planes)
+    stray = sum(int(t.view(torch.int16).count_nonzero()) for t in caches) - loaded
+    print(f"in_place_cuda: {name}: store -> zero -> load of 8 blocks: differing_elements={diff} "
+          f"nonzero_outside={stray} store_ms={t_store * 1e3:.2f} load_ms={t_load * 1e3:.2f}")
+    if diff or stray:
+        raise SystemExit(1)
+    s.unregister_pool(h)
+
+
 def run(target: str) -> None:
-    caches = [torch.zeros(2, BLOCKS, TOKENS, HEADS, DIM, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
     with kvtier.connect(target, "gpu-in-place") as s:
-        h = register_in_place(s, [(t[0], t[1]) for t in caches], "gpu/in-place")
-        print(f"in_place_cuda: registered {LAYERS} layers x {BLOCKS} blocks in place (pool {h.pool_id})")
-        g = torch.Generator(device="cuda")
-        g.manual_seed(11)
-        for t in caches:
-            t.view(torch.int16).copy_(torch.randint(-32768, 32767, t.shape, dtype=torch.int16, device="cuda", generator=g))
-        ref = [t[:, 0:8].clone() for t in caches]
-        torch.cuda.synchronize()  # the writes are done before the sidecar reads
-        keys = h.keys(list(range(8 * TOKENS)))
-        r = s.store(h, keys, range(0, 8))
-        assert r.stored_blocks == 8, r
-        for t in caches:
-            t.zero_()
-        torch.cuda.synchronize()
-        done = s.load_wait(h, keys, range(16, 24))
-        assert done.loaded_blocks == 8 and not len(done.missing), done
-        diff = sum(int((t[:, 16:24].view(torch.int16) != r_.view(torch.int16)).sum()) for t, r_ in zip(caches, ref))
-        stray = sum(int(t[:, :16].view(torch.int16).count_nonzero()) + int(t[:, 24:].view(torch.int16).count_nonzero())
-                    for t in caches)
-        print(f"in_place_cuda: store -> zero -> load of 8 blocks: differing_elements={diff} nonzero_outside={stray}")
-        if diff or stray:
-            raise SystemExit(1)
+        # vLLM before 0.34: [2, blocks, token, head, dim] per layer.
+        old = [torch.zeros(2, BLOCKS, TOKENS, HEADS, DIM, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+        round_trip(s, "vllm", old, [(t[0], t[1]) for t in old])
+        del old
+        # vLLM >= 0.34 LBHNC: [blocks, head, token, K||V] per layer, viewed as [B, N, H, D].
         inter = [torch.zeros(BLOCKS, HEADS, TOKENS, 2 * DIM, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+        round_trip(s, "vllm-lbhnc", inter,
+                   [(t[..., :DIM].transpose(1, 2), t[..., DIM:].transpose(1, 2)) for t in inter])
+        odd = [t[..., ::2].transpose(1, 2) for t in inter]
         try:
-            register_in_place(s, [(t[..., :DIM].transpose(1, 2), t[..., DIM:].transpose(1, 2)) for t in inter], "x")
+            register_in_place(s, [(x, x) for x in odd], "x")
         except NotInPlace as e:
-            print(f"in_place_cuda: K||V-interleaved layout refused: {e}")
+            print(f"in_place_cuda: a head with strided elements refused: {e}")
         else:
-            raise SystemExit("in_place_cuda: the interleaved layout was registered in place")
+            raise SystemExit("in_place_cuda: a head with strided elements was registered in place")
     print("in_place_cuda: ok")
 
 

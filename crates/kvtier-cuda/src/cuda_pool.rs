@@ -437,7 +437,6 @@ impl CudaDevicePool {
         let buffers = &self.buffers;
         self.layout
             .slot_pieces(&self.geometry, layer, slot)
-            .into_iter()
             .map(move |p| (buffers[p.buffer as usize] + p.offset, p.at, p.len))
     }
 

@@ -15,6 +15,8 @@ impl From<&LayerLayout> for proto::LayerLayout {
             v_buffer: l.v_buffer,
             v_offset: l.v_offset,
             slot_stride: l.slot_stride,
+            token_stride: l.token_stride,
+            head_stride: l.head_stride,
         }
     }
 }
@@ -27,6 +29,8 @@ impl From<&proto::LayerLayout> for LayerLayout {
             v_buffer: l.v_buffer,
             v_offset: l.v_offset,
             slot_stride: l.slot_stride,
+            token_stride: l.token_stride,
+            head_stride: l.head_stride,
         }
     }
 }

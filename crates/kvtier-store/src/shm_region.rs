@@ -515,13 +515,8 @@ impl ShmRegion {
         Self::copy_as(CopyKind::Streaming, src, src_offset, dst, dst_offset, len)
     }
 
-    /// [`ShmRegion::copy`] with the copy routine named: what the benchmarks' baselines compare
-    /// kvtier's copies with.
-    ///
-    /// # Errors
-    /// As [`ShmRegion::copy`].
-    pub fn copy_as(
-        kind: CopyKind,
+    /// Both ranges of a copy inside their regions, and apart where the regions are one.
+    fn check_copy(
         src: &ShmRegion,
         src_offset: usize,
         dst: &ShmRegion,
@@ -538,6 +533,57 @@ impl ShmRegion {
                 region_bytes: src.len,
             });
         }
+        Ok(())
+    }
+
+    /// Copies several ranges `(src_offset, dst_offset, len)` from `src` to `dst`, each checked
+    /// as [`ShmRegion::copy`] checks one, with the fault check and the store fence once at the
+    /// end: for layouts that split a block-layer into many short pieces (one per token and
+    /// head), where per-copy overhead would rival the copy. Pieces of 64 bytes or more are
+    /// stored non-temporally (meant for block-layer-sized batches, like the large copies). A
+    /// fault or a bad range fails the whole call (ranges before it may have been written; the
+    /// fence runs either way).
+    ///
+    /// # Errors
+    /// As [`ShmRegion::copy`], for the first range at fault.
+    pub fn copy_many(
+        src: &ShmRegion,
+        dst: &ShmRegion,
+        ranges: impl IntoIterator<Item = (usize, usize, usize)>,
+    ) -> Result<(), StoreError> {
+        let copied: Result<(), StoreError> =
+            ranges.into_iter().try_for_each(|(src_offset, dst_offset, len)| {
+                Self::check_copy(src, src_offset, dst, dst_offset, len)?;
+                // SAFETY: as in `copy_as`: both ranges are inside their mappings and disjoint.
+                unsafe {
+                    copy_piece_unfenced(
+                        src.map.as_ptr().add(src_offset),
+                        dst.map.as_mut_ptr().add(dst_offset),
+                        len,
+                    );
+                }
+                Ok(())
+            });
+        fence_streams();
+        copied?;
+        src.check_fault()?;
+        dst.check_fault()
+    }
+
+    /// [`ShmRegion::copy`] with the copy routine named: what the benchmarks' baselines compare
+    /// kvtier's copies with.
+    ///
+    /// # Errors
+    /// As [`ShmRegion::copy`].
+    pub fn copy_as(
+        kind: CopyKind,
+        src: &ShmRegion,
+        src_offset: usize,
+        dst: &ShmRegion,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), StoreError> {
+        Self::check_copy(src, src_offset, dst, dst_offset, len)?;
         // SAFETY: both ranges are inside their mappings (checked above) and do not overlap
         // (different mappings of distinct memory, or disjoint ranges of one mapping). Two
         // mappings of the same file at overlapping ranges are excluded by the pool/arena
@@ -709,43 +755,80 @@ const STREAM_MIN_BYTES: usize = 64 << 10;
 unsafe fn copy_bytes(src: *const u8, dst: *mut u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
     if len >= STREAM_MIN_BYTES {
-        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-        // Up to the first 16-byte boundary of `dst` with memcpy (stream stores need it).
-        let head = dst.align_offset(16).min(len);
-        // SAFETY: `head <= len`; the caller's ranges cover it.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
-        let body = (len - head) & !63;
-        let mut i = head;
-        while i < head + body {
-            // SAFETY: `i + 64 <= len`, so all four 16-byte loads and stores are inside the
-            // caller's ranges; `dst + i` is 16-byte aligned (`head` aligned it, `i - head` is a
-            // multiple of 64); loads are unaligned.
-            unsafe {
-                let s = src.add(i).cast::<__m128i>();
-                let d = dst.add(i).cast::<__m128i>();
-                let (a, b, c, e) = (
-                    _mm_loadu_si128(s),
-                    _mm_loadu_si128(s.add(1)),
-                    _mm_loadu_si128(s.add(2)),
-                    _mm_loadu_si128(s.add(3)),
-                );
-                _mm_stream_si128(d, a);
-                _mm_stream_si128(d.add(1), b);
-                _mm_stream_si128(d.add(2), c);
-                _mm_stream_si128(d.add(3), e);
-            }
-            i += 64;
-        }
-        // SAFETY: the tail `[i, len)` is inside the caller's ranges; the fence orders the
-        // streaming stores before any later store.
+        // SAFETY: the caller's contract; the fence orders the streaming stores before any
+        // later store.
         unsafe {
-            std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
-            _mm_sfence();
+            stream_unfenced(src, dst, len);
+            std::arch::x86_64::_mm_sfence();
         }
         return;
     }
     // SAFETY: the caller's contract.
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+}
+
+/// [`copy_bytes`] for one of many short pieces of a larger copy: pieces of at least 64 bytes
+/// are streamed on x86-64 and left unfenced: the caller calls [`fence_streams`] after the
+/// last.
+///
+/// # Safety
+/// As [`copy_bytes`].
+unsafe fn copy_piece_unfenced(src: *const u8, dst: *mut u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if len >= 64 {
+        // SAFETY: the caller's contract.
+        unsafe { stream_unfenced(src, dst, len) };
+        return;
+    }
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+}
+
+/// Orders the streaming stores of [`copy_piece_unfenced`] before any later store.
+fn fence_streams() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE2 is part of x86-64's baseline.
+    unsafe {
+        std::arch::x86_64::_mm_sfence();
+    }
+}
+
+/// Non-temporal 16-byte stores of `[0, len)`, memcpy for the unaligned head and the tail; no
+/// fence.
+///
+/// # Safety
+/// As [`copy_bytes`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_unfenced(src: *const u8, dst: *mut u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+    // Up to the first 16-byte boundary of `dst` with memcpy (stream stores need it).
+    let head = dst.align_offset(16).min(len);
+    // SAFETY: `head <= len`; the caller's ranges cover it.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
+    let body = (len - head) & !63;
+    let mut i = head;
+    while i < head + body {
+        // SAFETY: `i + 64 <= len`, so all four 16-byte loads and stores are inside the caller's
+        // ranges; `dst + i` is 16-byte aligned (`head` aligned it, `i - head` is a multiple of
+        // 64); loads are unaligned.
+        unsafe {
+            let s = src.add(i).cast::<__m128i>();
+            let d = dst.add(i).cast::<__m128i>();
+            let (a, b, c, e) = (
+                _mm_loadu_si128(s),
+                _mm_loadu_si128(s.add(1)),
+                _mm_loadu_si128(s.add(2)),
+                _mm_loadu_si128(s.add(3)),
+            );
+            _mm_stream_si128(d, a);
+            _mm_stream_si128(d.add(1), b);
+            _mm_stream_si128(d.add(2), c);
+            _mm_stream_si128(d.add(3), e);
+        }
+        i += 64;
+    }
+    // SAFETY: the tail `[i, len)` is inside the caller's ranges.
+    unsafe { std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i) };
 }
 
 #[cfg(test)]
@@ -784,6 +867,37 @@ mod tests {
         }
     }
     use super::*;
+
+    /// Many pieces of every length around the streaming cutoff and both alignments land where
+    /// they are asked to and nowhere else; a bad range fails the call; a range overlapping
+    /// itself in one region is refused.
+    #[test]
+    fn copy_many_places_every_piece_and_checks_each_range() {
+        let src = ShmRegion::create_anonymous("src", 1 << 16, Prefault::Touch).unwrap();
+        let dst = ShmRegion::create_anonymous("dst", 1 << 16, Prefault::Touch).unwrap();
+        let data: Vec<u8> = (0..1 << 16).map(|i: u32| (i * 31 + 7) as u8).collect();
+        src.write(0, &data).unwrap();
+        dst.fill(0, 1 << 16, 0xAA).unwrap();
+        // (src offset, dst offset, len): lengths 1..300 at odd and aligned offsets, apart.
+        let ranges: Vec<(usize, usize, usize)> = (1..300usize)
+            .map(|len| (len * 97 % 5000, 200 * len + (len % 3) * 5, len))
+            .collect();
+        ShmRegion::copy_many(&src, &dst, ranges.iter().copied()).unwrap();
+        let mut out = vec![0u8; 1 << 16];
+        dst.read(0, &mut out).unwrap();
+        let mut expect = vec![0xAAu8; 1 << 16];
+        for &(s, d, len) in &ranges {
+            expect[d..d + len].copy_from_slice(&data[s..s + len]);
+        }
+        assert!(out == expect);
+        let bad = [(0, 0, 64), (65_500, 0, 64)];
+        assert!(matches!(
+            ShmRegion::copy_many(&src, &dst, bad),
+            Err(StoreError::OutOfBounds { offset: 65_500, .. })
+        ));
+        assert!(ShmRegion::copy_many(&src, &src, [(0, 32, 64)]).is_err());
+        ShmRegion::copy_many(&src, &src, [(0, 64, 64)]).unwrap();
+    }
 
     #[test]
     fn anonymous_round_trip_and_bounds() {

@@ -254,7 +254,7 @@ impl CpuDevicePool {
             }
             .into());
         }
-        for p in self.pieces(slot, layer)?.as_slice() {
+        for p in self.pieces(slot, layer)? {
             self.region.write(p.offset as usize, &src[p.at..p.at + p.len])?;
         }
         Ok(())
@@ -273,7 +273,7 @@ impl CpuDevicePool {
             }
             .into());
         }
-        for p in self.pieces(slot, layer)?.as_slice() {
+        for p in self.pieces(slot, layer)? {
             self.region
                 .read(p.offset as usize, &mut dst[p.at..p.at + p.len])?;
         }
@@ -285,7 +285,7 @@ impl CpuDevicePool {
     /// # Errors
     /// Range errors.
     pub fn fill_slot_layer(&self, slot: u32, layer: u32, byte: u8) -> Result<(), TransferError> {
-        for p in self.pieces(slot, layer)?.as_slice() {
+        for p in self.pieces(slot, layer)? {
             self.region.fill(p.offset as usize, p.len, byte)?;
         }
         Ok(())
@@ -337,8 +337,8 @@ impl DevicePool for CpuDevicePool {
     fn device_kind(&self) -> &'static str {
         "cpu"
     }
-    /// Copies the batch with memcpy before returning (one copy per block-layer where V follows
-    /// K, one per K and per V otherwise).
+    /// Copies the batch before returning (one copy per block-layer where V follows K, one per
+    /// piece otherwise: K and V apart, or split per token and head).
     fn submit(
         &self,
         direction: CopyDirection,
@@ -347,14 +347,24 @@ impl DevicePool for CpuDevicePool {
         copies: &[SlotCopy],
     ) -> Result<CopyTicket, TransferError> {
         for c in copies {
-            for p in self.pieces(c.slot, layer)?.as_slice() {
-                let (off, at) = (p.offset as usize, c.host_offset + p.at);
+            let pieces = self.pieces(c.slot, layer)?;
+            if let Some(p) = pieces.single() {
+                let (off, at) = (p.offset as usize, c.host_offset);
                 match direction {
                     CopyDirection::HostToDevice => ShmRegion::copy(host, at, &self.region, off, p.len),
                     CopyDirection::DeviceToHost => ShmRegion::copy(&self.region, off, host, at, p.len),
                 }
                 .map_err(|e| self.copy_error(e))?;
+                continue;
             }
+            let ranges = pieces.map(|p| (p.offset as usize, c.host_offset + p.at, p.len));
+            match direction {
+                CopyDirection::HostToDevice => {
+                    ShmRegion::copy_many(host, &self.region, ranges.map(|(off, at, len)| (at, off, len)))
+                }
+                CopyDirection::DeviceToHost => ShmRegion::copy_many(&self.region, host, ranges),
+            }
+            .map_err(|e| self.copy_error(e))?;
         }
         Ok(CopyTicket::done())
     }
@@ -521,7 +531,12 @@ mod tests {
     fn layouts_put_kv_where_each_engine_indexes_it() {
         let g = geo(); // 3 layers, 4 tokens × 2 heads × 8 dim × f16: K (or V) of a slot 128 bytes
         let (n, half) = (5u32, 128usize);
-        for kind in [LayoutKind::Vllm, LayoutKind::Sglang] {
+        for kind in [
+            LayoutKind::Vllm,
+            LayoutKind::VllmLbnhc,
+            LayoutKind::VllmLbhnc,
+            LayoutKind::Sglang,
+        ] {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("pool");
             let bytes = PoolLayout::kind_bytes(&g, n, 0) as usize;
@@ -535,19 +550,33 @@ mod tests {
             .unwrap();
             let kv: Vec<u8> = (0..2 * half).map(|i| (i * 7 + 1) as u8).collect();
             engine.write_slot_layer(3, 2, &kv).unwrap();
-            // The engine's element offsets, from its tensor shapes (in elements of 2 bytes).
-            let (l, s, n) = (2usize, 3usize, n as usize);
-            let slot_elems = half / 2;
-            let (k_elem, v_elem) = match kind {
-                // per layer [2, num_blocks, block_size, heads, dim], layers stacked
-                LayoutKind::Vllm => (((l * 2) * n + s) * slot_elems, ((l * 2 + 1) * n + s) * slot_elems),
-                // k_buffer[layer] then v_buffer[layer], each [slots × block_size, heads, dim]
-                _ => ((l * n + s) * slot_elems, ((3 + l) * n + s) * slot_elems),
-            };
             let mut raw = vec![0u8; bytes];
             engine.region().read(0, &mut raw).unwrap();
-            assert_eq!(&raw[k_elem * 2..k_elem * 2 + half], &kv[..half], "{kind} K");
-            assert_eq!(&raw[v_elem * 2..v_elem * 2 + half], &kv[half..], "{kind} V");
+            // The engine's element offset of (K or V, token, head) of layer l, slot s, from its
+            // tensor shapes; each head is 8 elements of 2 bytes.
+            let (l, s, n, tokens, heads, dim) = (2usize, 3usize, n as usize, 4usize, 2usize, 8usize);
+            let elem = |v: usize, t: usize, h: usize| match kind {
+                // per layer [2, num_blocks, block_size, heads, dim], layers stacked
+                LayoutKind::Vllm => ((((l * 2 + v) * n + s) * tokens + t) * heads + h) * dim,
+                // per layer [num_blocks, block_size, heads, K‖V]
+                LayoutKind::VllmLbnhc => (((l * n + s) * tokens + t) * heads + h) * 2 * dim + v * dim,
+                // per layer [num_blocks, heads, block_size, K‖V]
+                LayoutKind::VllmLbhnc => (((l * n + s) * heads + h) * tokens + t) * 2 * dim + v * dim,
+                // k_buffer[layer] then v_buffer[layer], each [slots × block_size, heads, dim]
+                _ => ((((v * 3 + l) * n + s) * tokens + t) * heads + h) * dim,
+            };
+            for v in 0..2 {
+                for t in 0..tokens {
+                    for h in 0..heads {
+                        let (e, src) = (elem(v, t, h) * 2, v * half + (t * heads + h) * dim * 2);
+                        assert_eq!(
+                            &raw[e..e + 2 * dim],
+                            &kv[src..src + 2 * dim],
+                            "{kind} {v} {t} {h}"
+                        );
+                    }
+                }
+            }
             assert_eq!(
                 raw.iter().filter(|&&b| b != 0).count(),
                 kv.iter().filter(|&&b| b != 0).count()

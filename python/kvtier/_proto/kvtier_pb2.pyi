@@ -106,18 +106,22 @@ class PoolLayout(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[_Union[LayerLayout, _Mapping]]] = ...) -> None: ...
 
 class LayerLayout(_message.Message):
-    __slots__ = ("k_buffer", "k_offset", "v_buffer", "v_offset", "slot_stride")
+    __slots__ = ("k_buffer", "k_offset", "v_buffer", "v_offset", "slot_stride", "token_stride", "head_stride")
     K_BUFFER_FIELD_NUMBER: _ClassVar[int]
     K_OFFSET_FIELD_NUMBER: _ClassVar[int]
     V_BUFFER_FIELD_NUMBER: _ClassVar[int]
     V_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SLOT_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_STRIDE_FIELD_NUMBER: _ClassVar[int]
     k_buffer: int
     k_offset: int
     v_buffer: int
     v_offset: int
     slot_stride: int
-    def __init__(self, k_buffer: _Optional[int] = ..., k_offset: _Optional[int] = ..., v_buffer: _Optional[int] = ..., v_offset: _Optional[int] = ..., slot_stride: _Optional[int] = ...) -> None: ...
+    token_stride: int
+    head_stride: int
+    def __init__(self, k_buffer: _Optional[int] = ..., k_offset: _Optional[int] = ..., v_buffer: _Optional[int] = ..., v_offset: _Optional[int] = ..., slot_stride: _Optional[int] = ..., token_stride: _Optional[int] = ..., head_stride: _Optional[int] = ...) -> None: ...
 
 class CudaPool(_message.Message):
     __slots__ = ("device_ordinal", "device_uuid", "buffers")

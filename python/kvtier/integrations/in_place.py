@@ -2,17 +2,18 @@
 blocks and stores read them with no staging copy.
 
 Each layer's K and V come as ``[blocks, token, head, dim]`` views of the engine's tensors; the
-pool's layout (docs/api.md, "Pool layouts and GPU pools") is read from their strides: a block's
-K (and its V) must be one contiguous ``[token][head][dim]`` run, as kvtier's blocks hold it, and
-consecutive blocks one stride apart. Where the memory is:
+pool's layout (docs/api.md, "Pool layouts and GPU pools") is read from their strides: each
+head's ``dim`` elements contiguous, K and V with the same strides, any order of blocks, tokens
+and heads otherwise (vLLM's ``[2, blocks, token, head, dim]``, vLLM ≥ 0.34's ``[B, H, N, K‖V]``
+views of its ``LBNHC``, ``LBHNC``, ``LHBNC`` ... layouts, with K and V interleaved per token and
+head). Where the memory is:
 
 - on a GPU: registered by CUDA IPC handle (one buffer per allocation the tensors live in); the
   sidecar opens it on the same device;
 - on the CPU in a shared file mapping (``/proc/self/maps`` says which file, at which offset):
   registered by that file's path, which the sidecar maps too;
-- anywhere else (private CPU memory, a layout with K and V interleaved by head or token, as in
-  vLLM's ``[B, H, N, K‖V]`` views): :class:`NotInPlace` says why, and the connector copies
-  through a staging pool instead.
+- anywhere else (private CPU memory, strides kvtier cannot copy): :class:`NotInPlace` says why,
+  and the connector copies through a staging pool instead.
 """
 
 from __future__ import annotations
@@ -29,32 +30,38 @@ class NotInPlace(Exception):
     """The engine's KV cannot be registered where it lies (the message says why)."""
 
 
-def _check_block_runs(x: torch.Tensor, what: str) -> None:
-    """``x`` (``[blocks, token, head, dim]``) holds each block as one contiguous run."""
-    _, n, h, d = x.shape
-    if tuple(x.stride()[1:]) != (h * d, d, 1):
-        raise NotInPlace(
-            f"{what} has strides {tuple(x.stride())} (elements) over [blocks, token, head, dim] = "
-            f"{tuple(x.shape)}: a block's [token, head, dim] is not one run (kvtier's layout needs "
-            f"(…, {h * d}, {d}, 1))"
-        )
+def _strides(x: torch.Tensor, what: str) -> tuple[int, int, int]:
+    """``x``'s (block, token, head) strides in bytes (``[blocks, token, head, dim]``, each head's
+    ``dim`` elements contiguous)."""
+    if x.dim() != 4:
+        raise NotInPlace(f"{what} is not a [blocks, token, head, dim] view (shape {tuple(x.shape)})")
+    s = x.stride()
+    if s[3] != 1 and x.shape[3] > 1:
+        raise NotInPlace(f"{what} has strides {tuple(s)} (elements) over [blocks, token, head, dim] = "
+                         f"{tuple(x.shape)}: a head's dim elements are not contiguous")
+    if min(s[:3]) < 0:
+        raise NotInPlace(f"{what} has a negative stride {tuple(s)}")
+    e = x.element_size()
+    return s[0] * e, s[1] * e, s[2] * e
 
 
 def layer_layout(planes: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 place: _Place) -> list[tuple[int, int, int, int, int]]:
-    """Per layer ``(k_buffer, k_offset, v_buffer, v_offset, slot_stride)`` in bytes, for K and V
-    views ``[blocks, token, head, dim]``; ``place`` names the buffer and offset of an address."""
+                 place: _Place) -> list[tuple[int, ...]]:
+    """Per layer ``(k_buffer, k_offset, v_buffer, v_offset, slot_stride, token_stride,
+    head_stride)`` in bytes, for K and V views ``[blocks, token, head, dim]``; ``place`` names
+    the buffer and offset of an address. Whether the strides keep slots, tokens, heads, K and V
+    apart is the sidecar's check (``InvalidArgument`` naming the field)."""
     out = []
     for i, (k, v) in enumerate(planes):
-        _check_block_runs(k, f"layer {i}'s K")
-        _check_block_runs(v, f"layer {i}'s V")
-        if k.stride(0) != v.stride(0):
-            raise NotInPlace(f"layer {i}: K's block stride {k.stride(0)} != V's {v.stride(0)} (elements)")
-        if k.stride(0) <= 0:
-            raise NotInPlace(f"layer {i}: block stride {k.stride(0)}")
+        ks = _strides(k, f"layer {i}'s K")
+        vs = _strides(v, f"layer {i}'s V")
+        if ks != vs:
+            raise NotInPlace(f"layer {i}: K's (block, token, head) strides {ks} != V's {vs} (bytes)")
+        if ks[0] <= 0:
+            raise NotInPlace(f"layer {i}: block stride {ks[0]}")
         kb, ko = place.locate(k)
         vb, vo = place.locate(v)
-        out.append((kb, ko, vb, vo, k.stride(0) * k.element_size()))
+        out.append((kb, ko, vb, vo, *ks))
     return out
 
 

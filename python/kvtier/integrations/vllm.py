@@ -21,13 +21,14 @@ of the step and not yet in kvtier). The scheduler registers a one-slot pool only
 namespace in ``Match``.
 
 Worker side (one per TP rank): :meth:`~KvtierConnector.register_kv_caches` takes vLLM's
-per-layer KV tensors (CPU or CUDA). Where the sidecar can reach them and a block's K and V are
-each one ``[token][head][dim]`` run (vLLM's ``[2, blocks, token, head, dim]`` layout), they are
-registered in place (:mod:`kvtier.integrations.in_place`: CUDA memory by IPC handle, CPU memory
-in a shared file by its path) and blocks move with no copy in Python: loads land in vLLM's
-blocks, stores read them. Otherwise (``[B, H, N, K‖V]`` layouts interleave K and V; private CPU
-memory; a sidecar without CUDA) they go through a shared-memory staging pool (``staging_slots``
-blocks) that torch copies blocks into and out of. :meth:`~KvtierConnector.start_load_kv` opens
+per-layer KV tensors (CPU or CUDA). Where the sidecar can reach them, they are registered in
+place (:mod:`kvtier.integrations.in_place`: CUDA memory by IPC handle, CPU memory in a shared
+file by its path) with the layout their strides give (vLLM's older ``[2, blocks, token, head,
+dim]``, and every physical layout of vLLM ≥ 0.34's ``[B, H, N, K‖V]`` views, K and V
+interleaved per token and head), and blocks move with no copy in Python: loads land in vLLM's
+blocks, stores read them. Otherwise (private CPU memory; a sidecar without CUDA) they go
+through a shared-memory staging pool (``staging_slots`` blocks) that torch copies blocks into
+and out of. :meth:`~KvtierConnector.start_load_kv` opens
 one ``Load`` per request (layer events); :meth:`~KvtierConnector.wait_for_layer_load` waits for
 the layer's ``LayerReady`` (and copies that layer out of the staging slots);
 :meth:`~KvtierConnector.wait_for_save` sends one ``Store`` per saved run on a background thread
