@@ -32,7 +32,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -149,7 +149,8 @@ def kvtier_view(caches: dict[str, torch.Tensor], block: int) -> torch.Tensor:
 def forward(w: KvtierConnector, caches: dict[str, torch.Tensor], out: Any) -> KVConnectorOutput:
     """What vLLM's model runner does around a forward: let preempted requests' stores finish,
     bind the metadata, start the loads, per layer wait for its load and save it; then wait for
-    the saves and collect the worker's output (finished sends included)."""
+    the saves and collect the worker's output (finished sends and background loads included,
+    then the load errors, in vLLM's order)."""
     w.handle_preemptions(out.kv_connector_metadata)
     w.bind_connector_metadata(out.kv_connector_metadata)
     w.start_load_kv(None)  # type: ignore[arg-type]
@@ -157,11 +158,12 @@ def forward(w: KvtierConnector, caches: dict[str, torch.Tensor], out: Any) -> KV
         w.wait_for_layer_load(name)
         w.save_kv_layer(name, caches[name], None)
     w.wait_for_save()
-    w.flush()
-    sent, _ = w.get_finished(out.finished_req_ids)
+    w._reap(block=True)  # the step's stores (a real runner reports them in a later step)
+    results = w.get_transfer_results(out.finished_req_ids)
     meta = w.build_connector_worker_meta()
     w.clear_connector_metadata()
-    return KVConnectorOutput(finished_sending=sent, kv_connector_worker_meta=meta,
+    return KVConnectorOutput(finished_sending=results.finished_sending or None,
+                             finished_recving=results.finished_recving or None, kv_connector_worker_meta=meta,
                              invalid_block_ids=w.get_block_ids_with_load_errors())
 
 
@@ -449,6 +451,108 @@ def test_kv_in_shared_memory_moves_in_place_and_frees_wait_for_stores(
             s.connector.shutdown()
     finally:
         os.unlink(Path("/dev/shm") / f"kvtier-test-vllm-{os.getpid()}")
+
+
+def test_background_loads_keep_the_request_waiting_and_never_block_the_forward(
+        sidecar: Sidecar, model_dir: str) -> None:
+    """load_async = true (in place, vLLM's KV in a shared file): a request whose prefix kvtier
+    holds waits in the real Scheduler's WAITING_FOR_REMOTE_KVS while its load runs (held
+    behind a gate here, and steps go on meanwhile), is scheduled with the loaded tokens once
+    get_finished reports it, with the blocks bit-exact, also after a local prefix-cache hit on
+    its first block; a request aborted while loading keeps its blocks until the load ends;
+    blocks evicted before the load are reported in the pass that reports the load, and
+    recomputed."""
+    salt = "async"
+    with pytest.raises(ValueError, match="load_async = true needs kv_path = in_place"):
+        KvtierConnector(vllm_config(sidecar, model_dir, load_async=True), KVConnectorRole.WORKER, kv_cache_config())
+    config = vllm_config(sidecar, model_dir, kv_path="in_place", load_async=True, cache_salt=salt)
+    kcc = kv_cache_config()
+    s = scheduler(config, kcc)
+    path = Path("/dev/shm") / f"kvtier-test-vllm-async-{os.getpid()}"
+    raw = shm_bytes(path, 2 * LAYERS * NUM_BLOCKS * BLOCK * HEADS * DIM * 2)
+    planes = raw.view(torch.float16).view(LAYERS, 2, NUM_BLOCKS, BLOCK, HEADS, DIM)
+    caches = {n: planes[i] for i, n in enumerate(NAMES)}
+    w = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
+    gen = torch.Generator().manual_seed(8)
+    written: dict[int, torch.Tensor] = {}
+    free_blocks = s.kv_cache_manager.block_pool.get_num_free_blocks
+    try:
+        w.register_kv_caches(caches)
+        assert w._in_place and w._loader is not None
+        prompt = torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()
+        s.add_request(request("a", prompt))
+        out = step(s, w, caches, gen, written)
+        stored_kv = [written[b] for b in out.kv_connector_metadata.saves[0].block_ids]
+        run_to_end(s, w, caches, gen, written)
+        assert s.reset_prefix_cache()
+        raw.zero_()
+        idle = free_blocks()
+
+        def gated() -> threading.Event:
+            gate = threading.Event()
+            assert w._loader is not None
+            w._loader.submit(gate.wait)
+            return gate
+
+        # "p" shares a's first block only; its load is held: the request waits, steps go on.
+        gate = gated()
+        s.add_request(request("p", prompt[:BLOCK] + [9] * 3))
+        out = step(s, w, caches, gen, written)
+        assert out.scheduled_new_reqs == [] and s.requests["p"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert [(ld.req_id, ld.asynchronous, len(ld.block_ids)) for ld in out.kv_connector_metadata.loads] == [("p", True, 1)]
+        out = step(s, w, caches, gen, written)
+        assert out.scheduled_new_reqs == [] and s.requests["p"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        gate.set()
+        w.flush()
+        step(s, w, caches, gen, written)  # get_finished reports p
+        out = step(s, w, caches, gen, written)
+        assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("p", BLOCK)]
+        run_to_end(s, w, caches, gen, written)
+
+        # "b": block 0 from vLLM's own prefix cache (p's), blocks 1 and 2 loaded by kvtier.
+        s.add_request(request("b", prompt[: 3 * BLOCK] + [11] * 5))
+        out = step(s, w, caches, gen, written)
+        assert [(ld.req_id, ld.first_block, len(ld.block_ids)) for ld in out.kv_connector_metadata.loads] == [("b", 1, 2)]
+        w.flush()
+        step(s, w, caches, gen, written)
+        out = step(s, w, caches, gen, written)
+        nr = out.scheduled_new_reqs[0]
+        assert (nr.req_id, nr.num_computed_tokens) == ("b", 3 * BLOCK)
+        for i, blk in enumerate(nr.block_ids[0][:3]):
+            assert torch.equal(kvtier_view(caches, blk).view(torch.int16), stored_kv[i].view(torch.int16)), i
+        run_to_end(s, w, caches, gen, written)
+
+        # Aborted while loading: vLLM keeps the blocks until the load is reported.
+        assert s.reset_prefix_cache()
+        gate = gated()
+        s.add_request(request("c", prompt[: 3 * BLOCK] + [12] * 5))
+        step(s, w, caches, gen, written)
+        assert s.requests["c"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        s.finish_requests("c", RequestStatus.FINISHED_ABORTED)
+        assert free_blocks() < idle
+        gate.set()
+        w.flush()
+        step(s, w, caches, gen, written)
+        assert free_blocks() == idle and not s.has_requests()
+
+        # Evicted between Match and Load: the load ends with missing blocks, reported in the
+        # same pass as the load, and the request is recomputed from the start.
+        assert s.reset_prefix_cache()
+        gate = gated()
+        s.add_request(request("d", prompt[: 3 * BLOCK] + [13] * 5))
+        step(s, w, caches, gen, written)
+        with kvtier.connect(sidecar.target, "clearer") as other:
+            other.clear(all=True)
+        gate.set()
+        w.flush()
+        step(s, w, caches, gen, written)  # get_finished reports d, then its 3 failed blocks
+        assert s.requests["d"].num_computed_tokens == 0
+        outs = run_to_end(s, w, caches, gen, written)
+        assert [(r.req_id, r.num_computed_tokens) for o in outs for r in o.scheduled_new_reqs] == [("d", 0)]
+    finally:
+        w.shutdown()
+        s.connector.shutdown()
+        path.unlink(missing_ok=True)
 
 
 def shm_caches(layout: KVCacheLayout, path: Path) -> dict[str, torch.Tensor]:

@@ -47,7 +47,11 @@ standardized ``[B, H, N, C]`` views of vLLM ≥ 0.34, any physical layout; or th
 
 ``kv_connector_extra_config`` keys: ``sidecar`` (a target as :func:`kvtier.connect` takes),
 ``auth_token``, ``kv_path`` (``auto``, the default: in place where possible, else staging;
-``in_place``: fail where not possible; ``staging``), ``staging_slots`` (default 256), ``model_name`` (default vLLM's served model
+``in_place``: fail where not possible; ``staging``), ``load_async`` (default false; true needs
+``kv_path`` = ``in_place``: matched blocks load in the background while the request waits in
+vLLM's ``WAITING_FOR_REMOTE_KVS``, and the step's forward never waits for them;
+:meth:`~KvtierConnector.get_finished` reports each load done, with the blocks it could not bring
+as load errors), ``staging_slots`` (default 256), ``model_name`` (default vLLM's served model
 name), ``cache_salt`` (for requests without one), ``client_name``.
 """
 
@@ -138,6 +142,9 @@ class LoadSpec:
     #: The tokens of those blocks' whole prefix, for TP ranks other than 0 (their own keys).
     token_ids: list[int] | None = None
     first_block: int = 0
+    #: Loaded in the background (``load_async``): the request waits in vLLM's
+    #: ``WAITING_FOR_REMOTE_KVS`` until ``get_finished`` reports it.
+    asynchronous: bool = False
 
 
 @dataclass
@@ -210,6 +217,15 @@ def kvtier_to_blocks(kv_layer: torch.Tensor, block_ids: torch.Tensor, src: torch
 # --- the connector -------------------------------------------------------------------------
 
 
+def _flag(value: Any, name: str) -> bool:
+    """A boolean ``kv_connector_extra_config`` value (JSON true/false, or the words)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise ValueError(f"{name} = {value!r}: give true or false")
+
+
 @dataclass
 class _ReqState:
     request: Any
@@ -246,6 +262,10 @@ class KvtierConnector(KVConnectorBase_V1):
         self._kv_path = str(extra.get("kv_path", "auto"))
         if self._kv_path not in ("auto", "in_place", "staging"):
             raise ValueError(f"kv_path = {self._kv_path!r}: give auto, in_place or staging")
+        self._load_async = _flag(extra.get("load_async", False), "load_async")
+        if self._load_async and self._kv_path != "in_place":
+            raise ValueError(f"load_async = true needs kv_path = in_place (kv_path = {self._kv_path!r}): "
+                             "background loads land straight in vLLM's blocks")
         mc = vllm_config.model_config
         self._model = str(extra.get("model_name") or getattr(mc, "served_model_name", None) or mc.model)
         self._salt = str(extra.get("cache_salt", ""))
@@ -263,7 +283,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._handle: PoolHandle | None = None
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
-        self._matched: dict[str, int] = {}
+        #: Per request asked about: (blocks kvtier matched, tokens vLLM had computed locally).
+        self._matched: dict[str, tuple[int, int]] = {}
         self._loads: dict[str, LoadSpec] = {}
         self._block_info: dict[int, tuple[int | None, list[int]]] = {}
         self._events: list[KVCacheEvent] = []
@@ -276,6 +297,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self._slot_lock = threading.Condition()
         self._active_loads: list[_ActiveLoad] = []
         self._load_errors: set[int] = set()
+        #: Background loads (``load_async``) per request: the blocks they could not bring.
+        self._async_loads: dict[str, Future[set[int]]] = {}
+        self._loader: ThreadPoolExecutor | None = None
         #: True when vLLM's own KV memory is the registered pool (slots are vLLM's block ids).
         self._in_place = False
         self._stores: deque[tuple[str, Future[list[int]]]] = deque()
@@ -308,6 +332,10 @@ class KvtierConnector(KVConnectorBase_V1):
             self._reap(block=True)
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)  # a load in flight ends (done or failed) first
+            self._loader = None
+            self._async_loads.clear()
         for a in self._active_loads:
             if a.stream is not None:
                 a.stream.cancel()
@@ -354,18 +382,22 @@ class KvtierConnector(KVConnectorBase_V1):
         if st is None or st.request is not request:
             st = _ReqState(request)
             self._reqs[request.request_id] = st
+        self._matched[request.request_id] = (0, num_computed_tokens)
         if full <= num_computed_tokens // self._block_size:
-            self._matched[request.request_id] = 0
             return 0, False
         keys = self._keys(st, full, salt)
         try:
             m = session.match(handle, keys, cache_salt=salt)
         except KvtierError as e:
             logger.warning("kvtier: match failed (%s); computing request %s", e, request.request_id)
-            self._matched[request.request_id] = 0
             return 0, False
-        self._matched[request.request_id] = m.matched_blocks
-        return max(0, m.matched_blocks * self._block_size - num_computed_tokens), False
+        self._matched[request.request_id] = (m.matched_blocks, num_computed_tokens)
+        external = max(0, m.matched_blocks * self._block_size - num_computed_tokens)
+        return external, self._load_async and external > 0
+
+    def may_load_async(self, request: Request) -> bool:
+        """Whether a match may load in the background (``load_async``)."""
+        return self._load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Records the request; with external tokens, a load of those blocks into the blocks
@@ -374,19 +406,20 @@ class KvtierConnector(KVConnectorBase_V1):
         if st is None or st.request is not request:
             st = _ReqState(request)
             self._reqs[request.request_id] = st
-        matched = self._matched.pop(request.request_id, 0)
+        matched, local = self._matched.pop(request.request_id, (0, request.num_computed_tokens))
         st.known_blocks = matched
         if num_external_tokens <= 0:
             return
+        # The blocks after those vLLM found in its own prefix cache.
         bs = self._block_size
-        first = (request.num_computed_tokens) // bs
-        last = (request.num_computed_tokens + num_external_tokens) // bs
+        first = local // bs
+        last = (local + num_external_tokens) // bs
         salt = self._salt_of(request)
         keys = self._keys(st, last, salt)
         block_ids = list(blocks.get_block_ids()[0][first:last])
         self._loads[request.request_id] = LoadSpec(
             request.request_id, keys[first:last].packed, block_ids, salt,
-            list(request.all_token_ids[: last * bs]) if self._tp_size > 1 else None, first,
+            list(request.all_token_ids[: last * bs]) if self._tp_size > 1 else None, first, self._load_async,
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -515,6 +548,8 @@ class KvtierConnector(KVConnectorBase_V1):
             self._session = None
             raise
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-store")
+        if self._load_async:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
 
     # --- staging slots ---------------------------------------------------------------------
 
@@ -572,6 +607,9 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._in_place:
             for spec in meta.loads:
                 keys = self._worker_keys(spec.keys, spec.token_ids, spec.first_block, spec.cache_salt)
+                if spec.asynchronous and self._loader is not None:
+                    self._async_loads[spec.req_id] = self._loader.submit(self._load_blocks, session, handle, spec, keys)
+                    continue
                 a = _ActiveLoad(spec, keys, list(spec.block_ids), None)
                 try:
                     a.stream = session.load(handle, keys, a.slots, cache_salt=spec.cache_salt)
@@ -622,6 +660,17 @@ class KvtierConnector(KVConnectorBase_V1):
                 self._give_slots(slots)
                 continue
             self._active_loads.append(a)
+
+    def _load_blocks(self, session: Session, handle: PoolHandle, spec: LoadSpec, keys: BlockKeys) -> set[int]:
+        """A background load (``load_async``) straight into vLLM's blocks: the blocks it could
+        not bring."""
+        try:
+            done = session.load_wait(handle, keys, list(spec.block_ids), cache_salt=spec.cache_salt)
+        except KvtierError as e:
+            logger.warning("kvtier: load for %s failed: %s", spec.req_id, e)
+            return set(spec.block_ids)
+        missing = set(done.missing)
+        return {b for k, b in zip(keys, spec.block_ids) if k in missing}
 
     def _load_sync(self, session: Session, handle: PoolHandle, spec: LoadSpec, keys: BlockKeys,
                    blocks: list[int], slots: list[int]) -> None:
@@ -818,16 +867,22 @@ class KvtierConnector(KVConnectorBase_V1):
             self._reap(block=True, only=preempted)
 
     def flush(self) -> None:
-        """Waits for every store in flight (for tests and shutdown)."""
+        """Waits for every store and background load in flight (for tests and shutdown)."""
         self._reap(block=True)
+        wait_all(list(self._async_loads.values()))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Reaps the stores that finished; reports the finished requests whose blocks the
-        scheduler kept for them (``delayed_frees``) once none of their stores is in flight."""
+        scheduler kept for them (``delayed_frees``) once none of their stores is in flight, and
+        the requests whose background loads ended (their failed blocks go to
+        :meth:`get_block_ids_with_load_errors`, which vLLM asks next in the same pass)."""
         self._reap(block=False)
         sent = {r for r in self._delayed if r not in self._stores_of}
         self._delayed -= sent
-        return (sent or None), None
+        recving = {r for r, f in self._async_loads.items() if f.done()}
+        for r in recving:
+            self._load_errors.update(self._async_loads.pop(r).result())
+        return (sent or None), (recving or None)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """The keys of the stores finished since the last step."""
