@@ -1,4 +1,5 @@
-// kvtier device copy kernel: one launch copies a batch of up to KVTIER_MAX_PIECES byte ranges
+// kvtier device copy kernels. kvtier_copy_pieces: one launch copies a batch of up to
+// KVTIER_MAX_PIECES byte ranges
 // ("pieces") between device addresses.
 //
 // What it serves: gathering an engine's paged, strided K/V planes into kvtier's contiguous host
@@ -84,5 +85,63 @@ extern "C" __global__ void kvtier_copy_pieces(const kvtier_batch batch)
     } else {
         // Alignments differ: byte copies.
         kvtier_copy_bytes(d, s, p.bytes, i, stride);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// kvtier_copy_runs: one launch copies a layer's slots whose K and V the engine splits per token
+// and head (vLLM >= 0.34's [.., K||V] rows: 2 x block_tokens x heads runs of head_dim elements
+// per block-layer, which as pieces would be thousands per layer). The batch names each slot's
+// K or V plane once, and the kernel computes every run's address from the layer's strides.
+//
+// Plane: `runs` runs of `run_bytes`; run r lies at
+//   dev  + (r / per_token) * token_stride + (r % per_token) * head_stride   (engine side)
+//   host + r * run_bytes                                                   (host page side,
+//                                                    kvtier's [token][head][dim] order)
+// to_host 1: engine -> host (save), 0: host -> engine (load). Addresses, strides and run_bytes
+// are multiples of 16 (the Rust side checks and uses kvtier_copy_pieces otherwise).
+//
+// ABI: the batch by value, 48 + 240 * 16 = 3888 bytes (under the 4 KiB parameter limit).
+// Launch shape: gridDim.y = count (one row of blocks per plane), gridDim.x = blocks per plane,
+// blockDim.x any multiple of 32; a row's threads stride over the plane's 16-byte units, so
+// consecutive threads touch consecutive bytes of a run on both sides.
+
+#define KVTIER_MAX_PLANES 240
+
+struct kvtier_plane {
+    kvtier_u64 dev;   // engine address of the plane's run 0 (token 0, head 0)
+    kvtier_u64 host;  // device address (mapped pinned page) of the plane in the host page
+};  // 16 bytes
+
+struct kvtier_runs_batch {
+    kvtier_u64 token_stride;
+    kvtier_u64 head_stride;
+    kvtier_u64 run_bytes;     // bytes per run, a multiple of 16
+    unsigned int per_token;   // runs per token: 1 (heads packed) or kv_heads
+    unsigned int runs;        // runs per plane
+    unsigned int count;       // planes used, <= KVTIER_MAX_PLANES
+    unsigned int to_host;     // 1: engine -> host, 0: host -> engine
+    kvtier_u64 pad;           // 0; the header is 48 bytes
+    kvtier_plane planes[KVTIER_MAX_PLANES];
+};  // 48 + 3840 bytes
+
+extern "C" __global__ void kvtier_copy_runs(const kvtier_runs_batch batch)
+{
+    if (blockIdx.y >= batch.count) return;
+    const kvtier_plane p = batch.planes[blockIdx.y];
+    const kvtier_u64 units_per_run = batch.run_bytes >> 4;
+    const kvtier_u64 units = units_per_run * batch.runs;
+    const kvtier_u64 stride = (kvtier_u64)gridDim.x * blockDim.x;
+    for (kvtier_u64 u = (kvtier_u64)blockIdx.x * blockDim.x + threadIdx.x; u < units; u += stride) {
+        const kvtier_u64 r = u / units_per_run;
+        const kvtier_u64 within = (u - r * units_per_run) << 4;
+        const kvtier_u64 dev = p.dev + (r / batch.per_token) * batch.token_stride
+                             + (r % batch.per_token) * batch.head_stride + within;
+        const kvtier_u64 host = p.host + (u << 4);
+        if (batch.to_host) {
+            *(uint4*)host = *(const uint4*)dev;
+        } else {
+            *(uint4*)dev = *(const uint4*)host;
+        }
     }
 }

@@ -10,7 +10,9 @@
 #     place by kvtier.integrations.in_place, as the vLLM connector's worker does;
 #   - `kvtier bench offload --device cuda` for kvtier's and vLLM's layouts (128 KiB
 #     block-layers, Qwen3-30B-A3B geometry), with the pinned cudaMemcpyAsync baselines and
-#     ratios, each copy method for vLLM's split K/V planes, and an equal-bytes duplex run.
+#     ratios, each copy method for vLLM's split K/V planes, vLLM >= 0.34's interleaved
+#     LBNHC layout (the run kernel against cuMemcpyAsync per run), and an equal-bytes duplex
+#     run.
 #
 # Usage:
 #   scripts/gpu-check.sh bundle       (on a build machine) builds the release binaries and
@@ -105,6 +107,9 @@ bench --layout vllm
 bench --layout vllm --cuda-copy memcpy
 bench --layout vllm --cuda-copy kernel
 bench --layout kvtier --cuda-copy kernel
+# vLLM >= 0.34's K||V rows: kvtier_copy_runs (auto) against one cuMemcpyAsync per run.
+bench --layout vllm-lbnhc
+bench --layout vllm-lbnhc --cuda-copy memcpy
 # As many bytes each way: the duplex figure against one direction.
 bench --layout vllm --hit-rate 0.5
 

@@ -61,7 +61,7 @@ impl LayerLayout {
     }
 
     /// How a slot's K (and V) splits into contiguous runs.
-    fn runs(&self, geometry: &KvGeometry) -> Runs {
+    pub fn runs(&self, geometry: &KvGeometry) -> LayerRuns {
         let unit = head_bytes(geometry);
         let (heads, tokens) = (geometry.kv_heads(), geometry.block_tokens());
         let (ts, hs) = self.strides(geometry);
@@ -74,7 +74,7 @@ impl LayerLayout {
         } else {
             (unit, heads, tokens * heads)
         };
-        Runs {
+        LayerRuns {
             len,
             per_token,
             count,
@@ -90,19 +90,27 @@ fn head_bytes(geometry: &KvGeometry) -> u64 {
 }
 
 /// A slot's K (or V) as `count` contiguous runs of `len` bytes, in kvtier's `[token][head]`
-/// order: run `r` is token `r / per_token`, head `r % per_token` (merged where they touch).
+/// order ([`LayerLayout::runs`]): run `r` is token `r / per_token`, head `r % per_token`, at
+/// `r / per_token × token_stride + r % per_token × head_stride` bytes from the slot's K (or
+/// V) in the pool and at `r × len` in the host page's K (or V) half. Heads that follow each
+/// other are one run (`per_token` 1), and so are tokens when heads are packed too (`count` 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Runs {
-    len: u64,
-    per_token: u32,
-    count: u32,
-    token_stride: u64,
-    head_stride: u64,
+pub struct LayerRuns {
+    /// Bytes per run.
+    pub len: u64,
+    /// Runs per token: 1, or `kv_heads`.
+    pub per_token: u32,
+    /// Runs per slot's K (or V).
+    pub count: u32,
+    /// Bytes from one token to the next in the pool.
+    pub token_stride: u64,
+    /// Bytes from one head to the next in the pool.
+    pub head_stride: u64,
 }
 
-impl Runs {
-    /// Bytes from the slot's K (or V) to run `r`.
-    fn offset(&self, r: u32) -> u64 {
+impl LayerRuns {
+    /// Bytes from the slot's K (or V) to run `r` in the pool.
+    pub fn offset(&self, r: u32) -> u64 {
         u64::from(r / self.per_token) * self.token_stride + u64::from(r % self.per_token) * self.head_stride
     }
 }
@@ -203,7 +211,7 @@ pub struct SlotPieces {
     k: (u32, u64),
     v: (u32, u64),
     half: usize,
-    runs: Runs,
+    runs: LayerRuns,
     single: bool,
     next: u32,
 }

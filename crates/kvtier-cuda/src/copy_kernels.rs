@@ -1,7 +1,9 @@
-//! The copy kernel of `kernels/kv_copy.cu`: one launch copies up to [`MAX_PIECES`] byte ranges
-//! between device addresses (device memory, or pinned host pages mapped into the device's
-//! address space), so a layer's split K and V planes move in one launch instead of two
-//! `cuMemcpyAsync` calls per block.
+//! The copy kernels of `kernels/kv_copy.cu`. `kvtier_copy_pieces`: one launch copies up to
+//! [`MAX_PIECES`] byte ranges between device addresses (device memory, or pinned host pages
+//! mapped into the device's address space), so a layer's split K and V planes move in one
+//! launch instead of two `cuMemcpyAsync` calls per block. `kvtier_copy_runs`: one launch copies
+//! up to [`crate::run_copies::MAX_PLANES`] slots' K or V planes that the engine splits per token
+//! and head, computing each run's address from the strides ([`crate::run_copies`]).
 //!
 //! The source is compiled at run time with NVRTC when the library is found (set
 //! `KVTIER_NVRTC_LIB` to its full path to use one outside the loader's path, as
@@ -16,13 +18,16 @@ use cudarc::driver::sys;
 use kvtier_transfer::TransferError;
 
 use crate::driver::{CudaContext, Stream, check};
+use crate::run_copies::RunsBatch;
 
 /// The kernel's CUDA C source.
 pub const KERNEL_SOURCE: &str = include_str!("../../../kernels/kv_copy.cu");
 /// The PTX kept in the repository, generated from [`KERNEL_SOURCE`].
 pub const KERNEL_PTX: &str = include_str!("../../../kernels/kv_copy.ptx");
-/// The kernel's entry point.
+/// The piece kernel's entry point.
 const ENTRY: &str = "kvtier_copy_pieces";
+/// The run kernel's entry point.
+const ENTRY_RUNS: &str = "kvtier_copy_runs";
 /// The virtual architecture both NVRTC paths target (A100 and newer JIT it to their own).
 const ARCH: &str = "compute_80";
 /// Pieces per launch (`KVTIER_MAX_PIECES` in the source).
@@ -122,6 +127,7 @@ pub fn compile_with_nvrtc() -> Result<String, String> {
 pub(crate) struct CopyKernel {
     module: sys::CUmodule,
     function: sys::CUfunction,
+    runs_function: sys::CUfunction,
     ctx: Arc<CudaContext>,
     /// `nvrtc` or `kept ptx`: where its code came from, for the logs.
     pub(crate) origin: &'static str,
@@ -171,26 +177,30 @@ impl CopyKernel {
             op: "cuModuleLoadData".into(),
             reason: "PTX with a NUL byte".into(),
         })?;
-        let entry = CString::new(ENTRY).expect("no NUL in the entry name");
         let mut module = std::ptr::null_mut();
-        let mut function = std::ptr::null_mut();
+        let mut functions = [std::ptr::null_mut(); 2];
         // SAFETY: a NUL-terminated PTX image; valid out-pointers; the context is current.
         unsafe {
             check(
                 "cuModuleLoadData",
                 sys::cuModuleLoadData(&mut module, image.as_ptr().cast()),
             )?;
-            if let Err(e) = check(
-                "cuModuleGetFunction",
-                sys::cuModuleGetFunction(&mut function, module, entry.as_ptr()),
-            ) {
-                let _ = sys::cuModuleUnload(module);
-                return Err(e);
+            for (function, name) in functions.iter_mut().zip([ENTRY, ENTRY_RUNS]) {
+                let entry = CString::new(name).expect("no NUL in the entry names");
+                if let Err(e) = check(
+                    "cuModuleGetFunction",
+                    sys::cuModuleGetFunction(function, module, entry.as_ptr()),
+                ) {
+                    let _ = sys::cuModuleUnload(module);
+                    return Err(e);
+                }
             }
         }
+        let [function, runs_function] = functions;
         Ok(CopyKernel {
             module,
             function,
+            runs_function,
             ctx: ctx.clone(),
             origin,
         })
@@ -207,28 +217,75 @@ impl CopyKernel {
             };
             batch.pieces[..chunk.len()].copy_from_slice(chunk);
             let largest = chunk.iter().map(|p| p.bytes).max().unwrap_or(0);
-            // ~64 KiB per block: a 128 KiB piece gets 2 blocks, a 6 MiB one the maximum.
-            let blocks = largest.div_ceil(64 << 10).clamp(1, MAX_BLOCKS_PER_PIECE) as u32;
-            let mut params = [(&raw mut batch).cast::<c_void>()];
-            // SAFETY: the function takes one `kvtier_batch` by value, which `params[0]` points
-            // to (the driver copies it at launch); the grid's y rows match `count`.
-            check("cuLaunchKernel", unsafe {
-                sys::cuLaunchKernel(
+            // SAFETY: `kvtier_copy_pieces` takes one `kvtier_batch` by value: `Batch`.
+            unsafe {
+                self.launch_one(
                     self.function,
-                    blocks,
-                    chunk.len() as u32,
-                    1,
-                    THREADS,
-                    1,
-                    1,
-                    0,
-                    stream.raw,
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
+                    stream,
+                    (&raw mut batch).cast(),
+                    largest,
+                    batch.count,
                 )
-            })?;
+            }?;
         }
         Ok(())
+    }
+
+    /// Enqueues the launches [`crate::run_copies::plan`] made on `stream`. The caller has bound
+    /// the context and keeps every address valid until the stream passes the launches.
+    pub(crate) fn launch_runs(&self, stream: &Stream, batches: &[RunsBatch]) -> Result<(), TransferError> {
+        for batch in batches {
+            let mut batch = batch.clone();
+            let plane_bytes = u64::from(batch.runs) * batch.run_bytes;
+            // SAFETY: `kvtier_copy_runs` takes one `kvtier_runs_batch` by value: `RunsBatch`.
+            unsafe {
+                self.launch_one(
+                    self.runs_function,
+                    stream,
+                    (&raw mut batch).cast(),
+                    plane_bytes,
+                    batch.count,
+                )
+            }?;
+        }
+        Ok(())
+    }
+
+    /// One launch of `function` with its one by-value parameter at `param`: `rows` rows of
+    /// blocks (one per piece or plane), ~64 KiB of the largest row's bytes per block (a
+    /// 128 KiB piece gets 2 blocks, a 6 MiB one the maximum).
+    ///
+    /// # Safety
+    /// `param` points to the parameter struct `function` takes, whose rows past `rows` the
+    /// kernel ignores; the driver copies it at launch.
+    unsafe fn launch_one(
+        &self,
+        function: sys::CUfunction,
+        stream: &Stream,
+        param: *mut c_void,
+        largest_row_bytes: u64,
+        rows: u32,
+    ) -> Result<(), TransferError> {
+        let blocks = largest_row_bytes
+            .div_ceil(64 << 10)
+            .clamp(1, MAX_BLOCKS_PER_PIECE) as u32;
+        let mut params = [param];
+        // SAFETY: the caller's contract; the grid's y rows match what the parameter holds.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                function,
+                blocks,
+                rows,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream.raw,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
     }
 }
 

@@ -4,9 +4,11 @@
 //! batch per layer, each completed by one event.
 //!
 //! Copies go by `cuMemcpyAsync` (one per block-layer where V follows K, one per K and per V
-//! otherwise; neighbours that are contiguous on both sides merged) or by the copy kernel of
-//! `kernels/kv_copy.cu` (one launch per 128 pieces, reading or writing the pinned host pages
-//! through their device mapping). [`CopyMethod::Auto`] takes the kernel where the layout splits
+//! where they are apart, one per run where the layout splits them per token and head;
+//! neighbours that are contiguous on both sides merged) or by the copy kernels of
+//! `kernels/kv_copy.cu` (reading or writing the pinned host pages through their device
+//! mapping): `kvtier_copy_runs` for layers split per token and head (one launch per 240 slot
+//! planes, [`crate::run_copies`]), `kvtier_copy_pieces` otherwise (one launch per 128 pieces). [`CopyMethod::Auto`] takes the kernel where the layout splits
 //! K from V, `cuMemcpyAsync` where it does not; `KVTIER_CUDA_COPY=memcpy|kernel|auto`
 //! overrides it for a process.
 
@@ -22,6 +24,7 @@ use kvtier_transfer::{CopyDirection, CopyTicket, DevicePool, PendingCopies, Slot
 use crate::copy_kernels::{CopyKernel, Piece};
 use crate::driver::{CUDA, CudaContext, Event, Stream, check, error_text, unavailable, uuid_text};
 use crate::host_pinning::mapped_base;
+use crate::run_copies;
 
 /// How a pool moves a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
@@ -487,6 +490,20 @@ impl CudaDevicePool {
             _ => None,
         };
         if let Some((k, device_base)) = kernel {
+            // K and V split per token and head: one plane entry per slot's K or V, the kernel
+            // walks the runs; otherwise (or misaligned) one piece per contiguous range.
+            let runs = run_copies::plan(
+                &self.layout,
+                &self.geometry,
+                &self.buffers,
+                layer,
+                direction,
+                device_base,
+                copies,
+            );
+            if let Some(batches) = runs {
+                return k.launch_runs(stream, &batches);
+            }
             let pieces = self.batch_pieces(direction, layer, device_base, copies);
             return k.launch(stream, &pieces);
         }

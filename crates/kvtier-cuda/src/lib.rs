@@ -21,6 +21,7 @@ mod cuda_pool;
 mod driver;
 mod host_pinning;
 mod pinned_baselines;
+pub mod run_copies;
 
 pub use cuda_pool::{CopyMethod, CudaBufferSpec, CudaDevicePool, CudaPoolSpec};
 pub use driver::{CudaContext, CudaStatus, DeviceInfo, status, uuid_text};
