@@ -24,7 +24,7 @@ import torch
 from transformers import LlamaConfig
 from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -350,6 +350,39 @@ def test_worker_moves_blocks_bit_exact_across_layouts_and_staging_runs(
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_blocks_kvtier_no_longer_holds_are_published_as_removed(sidecar: Sidecar, model_dir: str) -> None:
+    """Blocks announced as BlockStored that a later request's Match no longer finds (here: the
+    sidecar cleared by another client) are published once as BlockRemoved (medium KVTIER), and
+    as BlockStored again when the request's recompute saves them."""
+    config = vllm_config(sidecar, model_dir, cache_salt="removed")
+    kcc = kv_cache_config()
+    s = scheduler(config, kcc)
+    w, caches = worker(config, kcc)
+    gen = torch.Generator().manual_seed(4)
+    written: dict[int, torch.Tensor] = {}
+    try:
+        prompt = torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()
+        keys = kvtier.Namespace("test/tiny-llama", kvtier.Geometry(LAYERS, HEADS, DIM, "f16", BLOCK),
+                                cache_salt="removed").keys(prompt)
+        s.add_request(request("a", prompt))
+        run_to_end(s, w, caches, gen, written)
+        with kvtier.connect(sidecar.target, "clearer") as other:
+            other.clear(all=True)
+        assert s.reset_prefix_cache()
+        s.add_request(request("b", prompt))
+        run_to_end(s, w, caches, gen, written)
+        # Found again (vLLM's own prefix cache has them too; the save that follows is no news).
+        s.add_request(request("c", prompt[: 2 * BLOCK] + [3] * 5))
+        run_to_end(s, w, caches, gen, written)
+        events = [(type(e).__name__, e.block_hashes, e.medium) for batch in s.published for e in batch.events
+                  if isinstance(e, (BlockStored, BlockRemoved))]
+        stored = [("BlockStored", [k], "KVTIER") for k in keys]
+        assert events == stored + [("BlockRemoved", list(keys), "KVTIER")] + stored
+    finally:
+        w.shutdown()
+        s.connector.shutdown()
 
 
 def test_a_geometry_the_sidecar_does_not_serve_is_refused(sidecar: Sidecar, model_dir: str) -> None:

@@ -38,6 +38,9 @@ True) until :meth:`~KvtierConnector.get_finished` reports its stores done, and
 :meth:`~KvtierConnector.handle_preemptions` lets a preempted request's stores finish before
 vLLM reuses its blocks. Finished stores' keys go back to the scheduler (worker metadata) and
 come out of :meth:`~KvtierConnector.take_events` as ``BlockStored`` events (medium ``KVTIER``).
+Blocks it announced that a later ``Match`` no longer finds (evicted from every tier, or
+cleared) come out as ``BlockRemoved`` (medium ``KVTIER``): found when a request asks for that
+prefix again, not when kvtier drops them.
 Blocks a load could not bring (evicted since ``Match``) are reported by
 :meth:`~KvtierConnector.get_block_ids_with_load_errors`, for vLLM to recompute them.
 
@@ -65,7 +68,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_events import BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -103,6 +106,8 @@ _DTYPES = {
 }
 _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 MEDIUM = "KVTIER"
+#: Announced keys the scheduler side remembers, to report them removed (~100 bytes each).
+ANNOUNCED_KEYS = 1 << 20
 
 
 def kv_geometry(kv_cache_config: KVCacheConfig) -> tuple[Geometry, list[str]]:
@@ -288,6 +293,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self._loads: dict[str, LoadSpec] = {}
         self._block_info: dict[int, tuple[int | None, list[int]]] = {}
         self._events: list[KVCacheEvent] = []
+        #: Keys announced as BlockStored and not since as BlockRemoved (oldest first, at most
+        #: ANNOUNCED_KEYS: beyond that the oldest are forgotten without an event).
+        self._announced: dict[int, None] = {}
         self._kv_cache_manager: KVCacheManager | None = None
         self._delayed_frees: list[str] = []
         # worker side
@@ -392,6 +400,11 @@ class KvtierConnector(KVConnectorBase_V1):
             logger.warning("kvtier: match failed (%s); computing request %s", e, request.request_id)
             return 0, False
         self._matched[request.request_id] = (m.matched_blocks, num_computed_tokens)
+        gone = [k for k in keys[m.matched_blocks :] if k in self._announced]
+        if gone:  # announced, and no longer in kvtier (or past a block that is not)
+            for k in gone:
+                del self._announced[k]
+            self._events.append(BlockRemoved(block_hashes=gone, medium=MEDIUM))
         external = max(0, m.matched_blocks * self._block_size - num_computed_tokens)
         return external, self._load_async and external > 0
 
@@ -460,7 +473,8 @@ class KvtierConnector(KVConnectorBase_V1):
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """The workers' finished stores become ``BlockStored`` events."""
+        """The workers' finished stores become ``BlockStored`` events (once per key until it is
+        reported removed)."""
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(wm, KvtierWorkerMetadata):
             return
@@ -469,6 +483,11 @@ class KvtierConnector(KVConnectorBase_V1):
             if info is None:
                 continue
             parent, tokens = info
+            if key in self._announced:  # stored again (vLLM computed it locally): no news
+                continue
+            self._announced[key] = None
+            if len(self._announced) > ANNOUNCED_KEYS:
+                del self._announced[next(iter(self._announced))]
             self._events.append(BlockStored(
                 block_hashes=[key], parent_block_hash=parent, token_ids=tokens, block_size=self._block_size,
                 lora_id=None, medium=MEDIUM, lora_name=None,
