@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,21 @@ def worker(config: VllmConfig, kcc: KVCacheConfig, layout: KVCacheLayout = KVCac
     w = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
     w.register_kv_caches(caches)
     return w, caches
+
+
+@contextmanager
+def engine(config: VllmConfig, seed: int) -> Iterator[tuple[Scheduler, KvtierConnector, dict[str, torch.Tensor],
+                                                           torch.Generator, dict[int, torch.Tensor]]]:
+    """A real Scheduler and a worker on private CPU KV (vLLM's LBNHC) with the connector, a
+    seeded generator and the "model"'s written blocks; both connectors shut down after."""
+    kcc = kv_cache_config()
+    s = scheduler(config, kcc)
+    w, caches = worker(config, kcc)
+    try:
+        yield s, w, caches, torch.Generator().manual_seed(seed), {}
+    finally:
+        w.shutdown()
+        s.connector.shutdown()
 
 
 def block_of(t: torch.Tensor, block: int) -> torch.Tensor:
@@ -356,13 +372,7 @@ def test_blocks_kvtier_no_longer_holds_are_published_as_removed(sidecar: Sidecar
     """Blocks announced as BlockStored that a later request's Match no longer finds (here: the
     sidecar cleared by another client) are published once as BlockRemoved (medium KVTIER), and
     as BlockStored again when the request's recompute saves them."""
-    config = vllm_config(sidecar, model_dir, cache_salt="removed")
-    kcc = kv_cache_config()
-    s = scheduler(config, kcc)
-    w, caches = worker(config, kcc)
-    gen = torch.Generator().manual_seed(4)
-    written: dict[int, torch.Tensor] = {}
-    try:
+    with engine(vllm_config(sidecar, model_dir, cache_salt="removed"), 4) as (s, w, caches, gen, written):
         prompt = torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()
         keys = kvtier.Namespace("test/tiny-llama", kvtier.Geometry(LAYERS, HEADS, DIM, "f16", BLOCK),
                                 cache_salt="removed").keys(prompt)
@@ -380,9 +390,6 @@ def test_blocks_kvtier_no_longer_holds_are_published_as_removed(sidecar: Sidecar
                   if isinstance(e, (BlockStored, BlockRemoved))]
         stored = [("BlockStored", [k], "KVTIER") for k in keys]
         assert events == stored + [("BlockRemoved", list(keys), "KVTIER")] + stored
-    finally:
-        w.shutdown()
-        s.connector.shutdown()
 
 
 def test_a_geometry_the_sidecar_does_not_serve_is_refused(sidecar: Sidecar, model_dir: str) -> None:
@@ -486,6 +493,19 @@ def test_kv_in_shared_memory_moves_in_place_and_frees_wait_for_stores(
         os.unlink(Path("/dev/shm") / f"kvtier-test-vllm-{os.getpid()}")
 
 
+def store_prefix(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor], gen: torch.Generator,
+                 written: dict[int, torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
+    """Request "a" (3 blocks and 4 tokens) computed and saved to kvtier, then vLLM's prefix
+    cache reset: a's prompt and the KV of its 3 blocks."""
+    prompt = torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()
+    s.add_request(request("a", prompt))
+    out = step(s, w, caches, gen, written)
+    stored_kv = [written[b] for b in out.kv_connector_metadata.saves[0].block_ids]
+    run_to_end(s, w, caches, gen, written)
+    assert s.reset_prefix_cache()
+    return prompt, stored_kv
+
+
 def test_background_loads_keep_the_request_waiting_and_never_block_the_forward(
         sidecar: Sidecar, model_dir: str) -> None:
     """load_async = true (in place, vLLM's KV in a shared file): a request whose prefix kvtier
@@ -496,8 +516,6 @@ def test_background_loads_keep_the_request_waiting_and_never_block_the_forward(
     blocks evicted before the load are reported in the pass that reports the load, and
     recomputed."""
     salt = "async"
-    with pytest.raises(ValueError, match="load_async = true needs kv_path = in_place"):
-        KvtierConnector(vllm_config(sidecar, model_dir, load_async=True), KVConnectorRole.WORKER, kv_cache_config())
     config = vllm_config(sidecar, model_dir, kv_path="in_place", load_async=True, cache_salt=salt)
     kcc = kv_cache_config()
     s = scheduler(config, kcc)
@@ -512,12 +530,7 @@ def test_background_loads_keep_the_request_waiting_and_never_block_the_forward(
     try:
         w.register_kv_caches(caches)
         assert w._in_place and w._loader is not None
-        prompt = torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()
-        s.add_request(request("a", prompt))
-        out = step(s, w, caches, gen, written)
-        stored_kv = [written[b] for b in out.kv_connector_metadata.saves[0].block_ids]
-        run_to_end(s, w, caches, gen, written)
-        assert s.reset_prefix_cache()
+        prompt, stored_kv = store_prefix(s, w, caches, gen, written)
         raw.zero_()
         idle = free_blocks()
 
@@ -586,6 +599,31 @@ def test_background_loads_keep_the_request_waiting_and_never_block_the_forward(
         w.shutdown()
         s.connector.shutdown()
         path.unlink(missing_ok=True)
+
+
+def test_background_loads_through_staging_copy_out_when_reported(sidecar: Sidecar, model_dir: str) -> None:
+    """load_async = true with vLLM's KV in private memory (staging, 2 slots): the load takes
+    the free staging slots when it starts, get_finished copies them into vLLM's blocks, and the
+    block past the slots is a load error that vLLM recomputes; the slots come back."""
+    salt = "async-staged"
+    config = vllm_config(sidecar, model_dir, load_async=True, staging_slots=2, cache_salt=salt)
+    with engine(config, 12) as (s, w, caches, gen, written):
+        assert not w._in_place and w._loader is not None
+        prompt, stored_kv = store_prefix(s, w, caches, gen, written)
+        for t in caches.values():
+            t.zero_()
+        s.add_request(request("b", prompt[: 3 * BLOCK] + [11] * 5))
+        out = step(s, w, caches, gen, written)
+        assert s.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        w.flush()
+        step(s, w, caches, gen, written)  # reported: 2 blocks copied out, the third failed
+        assert len(w._free) == 2
+        out = step(s, w, caches, gen, written)
+        nr = out.scheduled_new_reqs[0]
+        assert (nr.req_id, nr.num_computed_tokens) == ("b", 2 * BLOCK)
+        for i, blk in enumerate(nr.block_ids[0][:2]):
+            assert torch.equal(kvtier_view(caches, blk).view(torch.int16), stored_kv[i].view(torch.int16)), i
+        run_to_end(s, w, caches, gen, written)
 
 
 def shm_caches(layout: KVCacheLayout, path: Path) -> dict[str, torch.Tensor]:

@@ -50,11 +50,13 @@ standardized ``[B, H, N, C]`` views of vLLM ≥ 0.34, any physical layout; or th
 
 ``kv_connector_extra_config`` keys: ``sidecar`` (a target as :func:`kvtier.connect` takes),
 ``auth_token``, ``kv_path`` (``auto``, the default: in place where possible, else staging;
-``in_place``: fail where not possible; ``staging``), ``load_async`` (default false; true needs
-``kv_path`` = ``in_place``: matched blocks load in the background while the request waits in
-vLLM's ``WAITING_FOR_REMOTE_KVS``, and the step's forward never waits for them;
+``in_place``: fail where not possible; ``staging``), ``load_async`` (default false; true:
+matched blocks load in the background while the request waits in vLLM's
+``WAITING_FOR_REMOTE_KVS``, and the step's forward never waits for them;
 :meth:`~KvtierConnector.get_finished` reports each load done, with the blocks it could not bring
-as load errors), ``staging_slots`` (default 256), ``model_name`` (default vLLM's served model
+as load errors. In place they land straight in vLLM's blocks; through staging they land in
+staging slots taken when the load starts (blocks beyond the free slots are reported as load
+errors, for vLLM to recompute) and are copied into vLLM's blocks by ``get_finished``), ``staging_slots`` (default 256), ``model_name`` (default vLLM's served model
 name), ``cache_salt`` (for requests without one), ``client_name``.
 """
 
@@ -242,6 +244,17 @@ class _ReqState:
 
 
 @dataclass
+class _Fetched:
+    """What a background load brought: staging ``slots`` it holds (freed once copied out),
+    the ``copy_slots`` → ``copy_blocks`` to copy into vLLM's blocks, the blocks that ``failed``."""
+
+    slots: list[int]
+    failed: set[int]
+    copy_slots: list[int] = field(default_factory=list)
+    copy_blocks: list[int] = field(default_factory=list)
+
+
+@dataclass
 class _ActiveLoad:
     spec: LoadSpec
     keys: BlockKeys
@@ -268,9 +281,6 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._kv_path not in ("auto", "in_place", "staging"):
             raise ValueError(f"kv_path = {self._kv_path!r}: give auto, in_place or staging")
         self._load_async = _flag(extra.get("load_async", False), "load_async")
-        if self._load_async and self._kv_path != "in_place":
-            raise ValueError(f"load_async = true needs kv_path = in_place (kv_path = {self._kv_path!r}): "
-                             "background loads land straight in vLLM's blocks")
         mc = vllm_config.model_config
         self._model = str(extra.get("model_name") or getattr(mc, "served_model_name", None) or mc.model)
         self._salt = str(extra.get("cache_salt", ""))
@@ -305,8 +315,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._slot_lock = threading.Condition()
         self._active_loads: list[_ActiveLoad] = []
         self._load_errors: set[int] = set()
-        #: Background loads (``load_async``) per request: the blocks they could not bring.
-        self._async_loads: dict[str, Future[set[int]]] = {}
+        #: Background loads (``load_async``) per request.
+        self._async_loads: dict[str, Future[_Fetched]] = {}
         self._loader: ThreadPoolExecutor | None = None
         #: True when vLLM's own KV memory is the registered pool (slots are vLLM's block ids).
         self._in_place = False
@@ -343,6 +353,8 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._loader is not None:
             self._loader.shutdown(wait=True)  # a load in flight ends (done or failed) first
             self._loader = None
+            for f in self._async_loads.values():
+                self._give_slots(f.result().slots)
             self._async_loads.clear()
         for a in self._active_loads:
             if a.stream is not None:
@@ -627,7 +639,8 @@ class KvtierConnector(KVConnectorBase_V1):
             for spec in meta.loads:
                 keys = self._worker_keys(spec.keys, spec.token_ids, spec.first_block, spec.cache_salt)
                 if spec.asynchronous and self._loader is not None:
-                    self._async_loads[spec.req_id] = self._loader.submit(self._load_blocks, session, handle, spec, keys)
+                    self._async_loads[spec.req_id] = self._loader.submit(
+                        self._load_blocks, session, handle, spec, keys, list(spec.block_ids), [])
                     continue
                 a = _ActiveLoad(spec, keys, list(spec.block_ids), None)
                 try:
@@ -641,6 +654,13 @@ class KvtierConnector(KVConnectorBase_V1):
         jobs: list[tuple[LoadSpec, BlockKeys, list[int]]] = []
         for spec in meta.loads:
             keys = self._worker_keys(spec.keys, spec.token_ids, spec.first_block, spec.cache_salt)
+            if spec.asynchronous and self._loader is not None:
+                # Into the staging slots free now; get_finished copies them into vLLM's blocks.
+                with self._slot_lock:
+                    slots = [self._free.popleft() for _ in range(min(len(spec.block_ids), len(self._free)))]
+                self._async_loads[spec.req_id] = self._loader.submit(
+                    self._load_blocks, session, handle, spec, keys, list(spec.block_ids), slots)
+                continue
             jobs.append((spec, keys, list(spec.block_ids)))
         with self._slot_lock:
             room = len(self._free)
@@ -680,16 +700,28 @@ class KvtierConnector(KVConnectorBase_V1):
                 continue
             self._active_loads.append(a)
 
-    def _load_blocks(self, session: Session, handle: PoolHandle, spec: LoadSpec, keys: BlockKeys) -> set[int]:
-        """A background load (``load_async``) straight into vLLM's blocks: the blocks it could
-        not bring."""
+    def _load_blocks(self, session: Session, handle: PoolHandle, spec: LoadSpec, keys: BlockKeys,
+                     blocks: list[int], slots: list[int]) -> _Fetched:
+        """A background load (``load_async``, on the loader thread): straight into vLLM's
+        ``blocks`` in place (``slots`` empty), else into staging ``slots`` (the blocks past
+        them fail)."""
+        into = slots if not self._in_place else blocks
+        n = len(into)
+        got = _Fetched(slots=slots, failed=set(blocks[n:]))
         try:
-            done = session.load_wait(handle, keys, list(spec.block_ids), cache_salt=spec.cache_salt)
+            done = session.load_wait(handle, keys[:n], into, cache_salt=spec.cache_salt) if n else None
         except KvtierError as e:
             logger.warning("kvtier: load for %s failed: %s", spec.req_id, e)
-            return set(spec.block_ids)
-        missing = set(done.missing)
-        return {b for k, b in zip(keys, spec.block_ids) if k in missing}
+            got.failed.update(blocks)
+            return got
+        missing = set(done.missing) if done is not None else set()
+        for k, b, s in zip(keys[:n], blocks, into):
+            if k in missing:
+                got.failed.add(b)
+            elif not self._in_place:
+                got.copy_slots.append(s)
+                got.copy_blocks.append(b)
+        return got
 
     def _load_sync(self, session: Session, handle: PoolHandle, spec: LoadSpec, keys: BlockKeys,
                    blocks: list[int], slots: list[int]) -> None:
@@ -900,7 +932,11 @@ class KvtierConnector(KVConnectorBase_V1):
         self._delayed -= sent
         recving = {r for r, f in self._async_loads.items() if f.done()}
         for r in recving:
-            self._load_errors.update(self._async_loads.pop(r).result())
+            got = self._async_loads.pop(r).result()
+            if got.copy_blocks:
+                self._copy_out(got.copy_slots, got.copy_blocks, range(self._geometry.layers))
+            self._give_slots(got.slots)
+            self._load_errors.update(got.failed)
         return (sent or None), (recving or None)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
