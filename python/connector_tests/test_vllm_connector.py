@@ -15,6 +15,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -390,6 +391,38 @@ def test_blocks_kvtier_no_longer_holds_are_published_as_removed(sidecar: Sidecar
                   if isinstance(e, (BlockStored, BlockRemoved))]
         stored = [("BlockStored", [k], "KVTIER") for k in keys]
         assert events == stored + [("BlockRemoved", list(keys), "KVTIER")] + stored
+
+
+def test_blocks_the_sidecar_evicts_are_published_as_removed(model_dir: str, tmp_path: Path) -> None:
+    """With a sidecar of 16 blocks, 8 requests of 3 blocks each: the sidecar pushes the blocks
+    it evicts, and the scheduler side publishes each announced one as BlockRemoved (medium
+    KVTIER) without any request asking for it again; a clear removes every announced block."""
+    small = start_sidecar(tmp_path / "small", geometry=GEOMETRY, host_capacity="128KiB")
+    try:
+        with engine(vllm_config(small, model_dir, cache_salt="evicted"), 6) as (s, w, caches, gen, written):
+            for i in range(8):
+                s.add_request(request(f"r{i}", torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()))
+                run_to_end(s, w, caches, gen, written)
+            stored = [k for batch in s.published for e in batch.events if isinstance(e, BlockStored)
+                      for k in e.block_hashes]
+            assert len(stored) == 24
+            # Published by the steps (the scheduler takes the connector's events), or still to come.
+            removed = [k for batch in s.published for e in batch.events if isinstance(e, BlockRemoved)
+                       for k in e.block_hashes]
+            deadline = time.monotonic() + 10
+            while len(removed) < 8 and time.monotonic() < deadline:  # at least 24 - 16 left
+                removed += [k for e in s.connector.take_events() if isinstance(e, BlockRemoved) for k in e.block_hashes]
+                time.sleep(0.02)
+            assert len(removed) >= 8 and set(removed) <= set(stored) and len(set(removed)) == len(removed)
+            with kvtier.connect(small.target, "clearer") as other:
+                other.clear(all=True)
+            rest: list[int] = []
+            while not rest and time.monotonic() < deadline:
+                rest = [k for e in s.connector.take_events() if isinstance(e, BlockRemoved) for k in e.block_hashes]
+                time.sleep(0.02)
+            assert sorted(removed + rest) == sorted(stored)
+    finally:
+        small.stop()
 
 
 def test_a_geometry_the_sidecar_does_not_serve_is_refused(sidecar: Sidecar, model_dir: str) -> None:

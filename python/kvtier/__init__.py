@@ -28,7 +28,7 @@ from .keys import BlockKeys, Namespace, block_keys
 from .pool import CpuPool
 from .results import (
     BlocksMissing, ClearResult, DeviceEvent, DeviceEventKind, DeviceEventsResult, LayerReady,
-    LoadDone, LoadEvent, MatchResult, PinResult, PoolHandle, Stats, StoreResult, Tier, Timing,
+    LoadDone, LoadEvent, MatchResult, PinResult, PoolHandle, Removals, Stats, StoreResult, Tier, Timing,
 )
 from .session import LoadStream, Session
 from . import aio
@@ -40,7 +40,7 @@ __all__ = [
     "DeadlineExceeded", "DeviceEvent", "DeviceEventKind", "DeviceEventsResult",
     "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "KvtierError", "LayerReady",
     "LoadDone", "LoadEvent", "LoadStream", "MatchResult", "Namespace", "NotFound", "OutOfRange",
-    "PinResult", "PoolHandle", "ResourceExhausted", "Session", "SessionClosed", "Stats",
+    "PinResult", "PoolHandle", "Removals", "ResourceExhausted", "Session", "SessionClosed", "Stats",
     "StoreResult", "Tier", "Timing", "Unauthenticated", "Unavailable", "Unimplemented",
     "aio", "block_keys", "connect", "default_target",
 ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Union, cast
 
@@ -14,7 +16,7 @@ from .keys import KEY_BYTES, BlockKeys, KeysLike, Namespace, as_keys
 from .pool import CpuPool
 from .results import (
     BlocksMissing, ClearResult, DeviceEvent, DeviceEventsResult, LayerReady, LoadDone,
-    LoadEvent, MatchResult, PinResult, PoolHandle, Stats, StoreResult, Tier, Timing,
+    LoadEvent, MatchResult, PinResult, PoolHandle, Removals, Stats, StoreResult, Tier, Timing,
 )
 
 #: A pool as requests name it: its handle, or its id.
@@ -206,3 +208,26 @@ def stats(r: pb.StatsResponse) -> Stats:
                  r.disk_used_bytes, r.disk_capacity_bytes, r.json)
 
 
+class RemovalLog:
+    """The ``BlocksRemoved`` events a watching session heard, until taken (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: list[bytes] = []
+        self._cleared = self._lost = False
+        self._unnamed_at = 0.0
+
+    def note(self, ev: pb.BlocksRemoved) -> None:
+        with self._lock:
+            self._keys.append(ev.keys)
+            self._cleared |= ev.cleared
+            self._lost |= ev.lost
+            if ev.cleared or ev.lost:
+                self._unnamed_at = time.monotonic()
+
+    def take(self) -> Removals:
+        with self._lock:
+            packed, self._keys = b"".join(self._keys), []
+            cleared, lost, self._cleared, self._lost = self._cleared, self._lost, False, False
+            at = self._unnamed_at if cleared or lost else 0.0
+        return Removals(BlockKeys(packed), cleared, lost, at)

@@ -34,7 +34,7 @@ from .keys import BlockKeys, KeysLike
 from .pool import CpuPool
 from .results import (
     BlocksMissing, ClearResult, DeviceEvent, DeviceEventsResult, LoadDone, LoadEvent,
-    MatchResult, PinResult, PoolHandle, Stats, StoreResult, Tier,
+    MatchResult, PinResult, PoolHandle, Removals, Stats, StoreResult, Tier,
 )
 
 
@@ -160,16 +160,18 @@ class AsyncSession:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._ended: KvtierError | None = None
+        self._removals = _wire.RemovalLog()
 
     @classmethod
     async def open(cls, client: AsyncClient, client_name: str = "kvtier-python", *,
-                   owns_client: bool = False) -> AsyncSession:
-        """Opens a session on ``client`` (closing it closes the client when ``owns_client``)."""
+                   owns_client: bool = False, watch_removals: bool = False) -> AsyncSession:
+        """Opens a session on ``client`` (closing it closes the client when ``owns_client``;
+        ``watch_removals``: collect the blocks that leave kvtier, :meth:`take_removals`)."""
         self = cls()
         self._client, self._owns_client, self.client_name = client, owns_client, client_name
         await client.wait_ready()
-        self._call = client.stub.OpenSession(pb.OpenSessionRequest(client_name=client_name),
-                                             metadata=client.metadata)
+        self._call = client.stub.OpenSession(
+            pb.OpenSessionRequest(client_name=client_name, watch_removals=watch_removals), metadata=client.metadata)
         try:
             first = await self._call.read()
         except grpc.RpcError as e:
@@ -191,13 +193,21 @@ class AsyncSession:
                 if ev is grpc.aio.EOF:
                     self._ended = SessionClosed(f"the sidecar ended session {self.id}")
                     return
-                if ev.WhichOneof("event") == "heartbeat":
+                which = ev.WhichOneof("event")
+                if which == "heartbeat":
                     self.last_heartbeat_ms = ev.heartbeat.unix_ms
+                elif which == "removed":
+                    self._removals.note(ev.removed)
         except asyncio.CancelledError:
             pass
         except grpc.RpcError as e:
             if not self._closing:
                 self._ended = from_rpc_error(e)
+
+    def take_removals(self) -> Removals:
+        """The blocks that left kvtier since the last call (opened with ``watch_removals``;
+        otherwise always empty)."""
+        return self._removals.take()
 
     @property
     def closed(self) -> bool:
@@ -299,13 +309,13 @@ class AsyncSession:
         return _wire.stats(await self._unary("Stats", pb.StatsRequest()))
 
 
-async def connect(target: str | os.PathLike[str] | None = None, client_name: str = "kvtier-python",
-                  **kwargs: Any) -> AsyncSession:
-    """Connects and opens a session that owns its connection (``kwargs`` go to
-    :class:`AsyncClient`)."""
+async def connect(target: str | os.PathLike[str] | None = None, client_name: str = "kvtier-python", *,
+                  watch_removals: bool = False, **kwargs: Any) -> AsyncSession:
+    """Connects and opens a session that owns its connection (``watch_removals`` as
+    :meth:`AsyncSession.open` takes it; ``kwargs`` go to :class:`AsyncClient`)."""
     client = AsyncClient(target, **kwargs)
     try:
-        return await AsyncSession.open(client, client_name, owns_client=True)
+        return await AsyncSession.open(client, client_name, owns_client=True, watch_removals=watch_removals)
     except BaseException:
         await client.close()
         raise

@@ -148,11 +148,12 @@ class Client:
         """The sidecar's counters (no session needed)."""
         return _wire.stats(self.unary("Stats", pb.StatsRequest()))
 
-    def session(self, client_name: str = "kvtier-python") -> Session:
-        """Opens a session on this connection (closing it leaves the connection open)."""
+    def session(self, client_name: str = "kvtier-python", *, watch_removals: bool = False) -> Session:
+        """Opens a session on this connection (closing it leaves the connection open);
+        ``watch_removals``: collect the blocks that leave kvtier (:meth:`Session.take_removals`)."""
         from .session import Session
 
-        return Session(self, client_name)
+        return Session(self, client_name, watch_removals=watch_removals)
 
     def close(self) -> None:
         """Closes the channel (sessions on it end)."""
@@ -165,15 +166,17 @@ class Client:
         self.close()
 
 
-def connect(target: str | os.PathLike[str] | None = None, client_name: str = "kvtier-python", **kwargs: Any) -> Session:
+def connect(target: str | os.PathLike[str] | None = None, client_name: str = "kvtier-python", *,
+            watch_removals: bool = False, **kwargs: Any) -> Session:
     """Connects to the sidecar at ``target`` (default: :func:`default_target`) and opens a
-    session that owns the connection (closing the session closes it). ``kwargs`` go to
+    session that owns the connection (closing the session closes it); ``watch_removals``:
+    collect the blocks that leave kvtier (:meth:`Session.take_removals`). ``kwargs`` go to
     :class:`Client`."""
     from .session import Session
 
     client = Client(target, **kwargs)
     try:
-        return Session(client, client_name, owns_client=True)
+        return Session(client, client_name, owns_client=True, watch_removals=watch_removals)
     except BaseException:
         client.close()
         raise

@@ -91,6 +91,24 @@ class LayerReady:
 
 
 @dataclass(frozen=True)
+class Removals:
+    """Blocks that left kvtier (its host and disk tiers) since the last
+    :meth:`~kvtier.Session.take_removals`, for a session opened with ``watch_removals``.
+    ``cleared`` (a clear) or ``lost`` (the session fell behind) mean unnamed blocks left too:
+    treat every block as possibly removed."""
+
+    keys: BlockKeys
+    cleared: bool = False
+    lost: bool = False
+    #: ``time.monotonic()`` when the last clear or lag was heard (blocks stored after it were
+    #: not cleared by it); 0 without one.
+    unnamed_at: float = 0.0
+
+    def __bool__(self) -> bool:
+        return bool(len(self.keys)) or self.cleared or self.lost
+
+
+@dataclass(frozen=True)
 class BlocksMissing:
     """Blocks whose slots will not be written (in no tier, or failed verification on disk):
     recompute them."""

@@ -30,7 +30,7 @@ from .keys import BlockKeys, KeysLike
 from .pool import CpuPool
 from .results import (
     BlocksMissing, ClearResult, DeviceEvent, DeviceEventsResult, LoadDone, LoadEvent,
-    MatchResult, PinResult, PoolHandle, Stats, StoreResult, Tier,
+    MatchResult, PinResult, PoolHandle, Removals, Stats, StoreResult, Tier,
 )
 
 if TYPE_CHECKING:
@@ -98,13 +98,14 @@ class Session:
     or a ``with`` block. Methods are thread-safe (grpcio channels are).
     """
 
-    def __init__(self, client: Client, client_name: str = "kvtier-python", *, owns_client: bool = False) -> None:
+    def __init__(self, client: Client, client_name: str = "kvtier-python", *, owns_client: bool = False,
+                 watch_removals: bool = False) -> None:
         self._client = client
         self._owns_client = owns_client
         self.client_name = client_name
         client.wait_ready()
-        self._call = client.stub.OpenSession(pb.OpenSessionRequest(client_name=client_name),
-                                             metadata=client.metadata)
+        self._call = client.stub.OpenSession(
+            pb.OpenSessionRequest(client_name=client_name, watch_removals=watch_removals), metadata=client.metadata)
         try:
             first = next(self._call)
         except StopIteration:
@@ -123,18 +124,27 @@ class Session:
         self._closing = False
         self._ended: KvtierError | None = None
         self._pools: dict[int, PoolHandle] = {}
+        self._removals = _wire.RemovalLog()
         self._thread = threading.Thread(target=self._pump, name=f"kvtier-session-{self.id}", daemon=True)
         self._thread.start()
 
     def _pump(self) -> None:
         try:
             for ev in self._call:
-                if ev.WhichOneof("event") == "heartbeat":
+                which = ev.WhichOneof("event")
+                if which == "heartbeat":
                     self.last_heartbeat_ms = ev.heartbeat.unix_ms
+                elif which == "removed":
+                    self._removals.note(ev.removed)
             self._ended = SessionClosed(f"the sidecar ended session {self.id}")
         except grpc.RpcError as e:
             if not self._closing:
                 self._ended = from_rpc_error(e)
+
+    def take_removals(self) -> Removals:
+        """The blocks that left kvtier since the last call (a session opened with
+        ``watch_removals=True``; otherwise always empty)."""
+        return self._removals.take()
 
     # --- lifetime --------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -414,6 +415,54 @@ def test_interleaved_engine_memory_registers_with_token_and_head_strides(
         session.register_pool(path, "six", num_slots=slots, layout=[entry[:6] for entry in layout])
     del kv
     mm.close()
+
+
+def test_a_watching_session_hears_the_blocks_that_leave(tmp_path: Path) -> None:
+    """A session opened with watch_removals hears the blocks the sidecar evicts (named, each
+    once) and that a clear happened; one that does not watch hears nothing."""
+    small = start_sidecar(tmp_path / "small", host_capacity="256KiB")
+    try:
+        with kvtier.connect(small.target, "watcher", watch_removals=True) as watcher, \
+                kvtier.connect(small.target, "writer") as s, kvtier.CpuPool.create(s.geometry, 8) as pool:
+            h = s.register_pool(pool, "evictions")
+            per_page = 4096 * -(-s.geometry.block_bytes // 4096)
+            capacity = (256 << 10) // per_page
+            stored: list[int] = []
+            for run in range(3 * capacity // 8 + 2):
+                keys = h.keys(list(range(run * 1000, run * 1000 + 8 * s.geometry.block_tokens)))
+                pool.raw[:] = run
+                assert s.store(h, keys, range(8)).stored_blocks == 8
+                stored += list(keys)
+            removed: list[int] = []
+            deadline = time.monotonic() + 10
+            while len(removed) < len(stored) - capacity and time.monotonic() < deadline:
+                r = watcher.take_removals()
+                assert not r.cleared and not r.lost
+                removed += list(r.keys)
+                time.sleep(0.02)
+            assert len(removed) == len(set(removed)) >= len(stored) - capacity
+            assert set(removed) <= set(stored)
+            assert not s.take_removals()
+            s.clear(h, all=True)
+            while not (r := watcher.take_removals()).cleared and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert r.cleared and r.unnamed_at > 0
+
+        async def on_asyncio() -> kvtier.Removals:
+            async with await kvtier.aio.connect(small.target, "aio-watcher", watch_removals=True) as a:
+                with kvtier.connect(small.target, "clearer") as c, kvtier.CpuPool.create(c.geometry, 1) as p1:
+                    h1 = c.register_pool(p1, "evictions")
+                    c.store(h1, h1.keys(list(range(c.geometry.block_tokens))), [0])
+                    c.clear(h1, all=True)
+                for _ in range(500):
+                    if (got := a.take_removals()).cleared:
+                        return got
+                    await asyncio.sleep(0.02)
+                return a.take_removals()
+
+        assert asyncio.run(on_asyncio()).cleared
+    finally:
+        small.stop()
 
 
 def test_asyncio_cuda_pool_says_why(sidecar: Sidecar) -> None:

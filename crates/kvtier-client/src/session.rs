@@ -40,6 +40,7 @@ pub(crate) async fn open(rpc: &mut Stub, client_name: &str) -> Result<Session, C
     let mut events = rpc
         .open_session(proto::OpenSessionRequest {
             client_name: client_name.to_owned(),
+            watch_removals: false,
         })
         .await?
         .into_inner();

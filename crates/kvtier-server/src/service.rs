@@ -17,12 +17,13 @@ use kvtier_proto::{
     LayerEvents, LoadDone, MatchReply, MatchedBlock, StoreReply, WireTiming, geometry_from_proto,
     tier_filter_from_proto,
 };
+use kvtier_store::Removed;
 use kvtier_transfer::{
     CpuDevicePool, DevicePool, Durability, EventSink, InflightBlocks, LoadBlock, LoadEvent, LoadHandle,
     PersistReport, Route, StoreBlock, StoreEvent, StoreReport, TransferError, TransferTiming,
 };
 use metrics::{counter, histogram};
-use tokio::sync::mpsc;
+use tokio::sync::{broadcast, mpsc};
 use tokio_stream::Stream;
 use tonic::{Code, Request, Response, Status};
 
@@ -259,6 +260,55 @@ fn locate(
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
+/// Removals one `BlocksRemoved` event carries at most.
+const REMOVALS_PER_EVENT: usize = 4096;
+
+/// The next removal a watching session hears (`Err` when it lagged); never, for a session
+/// that does not watch; `None` once the feed is closed.
+async fn next_removal(
+    rx: &mut Option<broadcast::Receiver<Removed>>,
+) -> Option<Result<Removed, broadcast::error::RecvError>> {
+    match rx {
+        None => std::future::pending().await,
+        Some(rx) => match rx.recv().await {
+            Err(broadcast::error::RecvError::Closed) => None,
+            r => Some(r),
+        },
+    }
+}
+
+/// One `BlocksRemoved` event: `first` and whatever else is already queued (up to
+/// [`REMOVALS_PER_EVENT`] keys); a lag or a clear is said, not spelled out.
+fn removal_event(
+    first: Result<Removed, broadcast::error::RecvError>,
+    mut rx: Option<&mut broadcast::Receiver<Removed>>,
+) -> proto::SessionEvent {
+    let mut out = proto::BlocksRemoved::default();
+    let mut keys: Vec<BlockKey> = Vec::new();
+    let mut next = Some(first);
+    while let Some(r) = next.take() {
+        match r {
+            Ok(Removed::Block(_, key)) => keys.push(key),
+            Ok(Removed::Cleared) => out.cleared = true,
+            Err(_) => out.lost = true,
+        }
+        if keys.len() >= REMOVALS_PER_EVENT {
+            break;
+        }
+        next = match rx.as_deref_mut().map(broadcast::Receiver::try_recv) {
+            Some(Ok(r)) => Some(Ok(r)),
+            Some(Err(broadcast::error::TryRecvError::Lagged(n))) => {
+                Some(Err(broadcast::error::RecvError::Lagged(n)))
+            }
+            _ => None,
+        };
+    }
+    out.keys = pack_keys(&keys);
+    proto::SessionEvent {
+        event: Some(proto::session_event::Event::Removed(out)),
+    }
+}
+
 #[tonic::async_trait]
 impl KvTier for KvTierService {
     type OpenSessionStream = BoxStream<proto::SessionEvent>;
@@ -278,6 +328,10 @@ impl KvTier for KvTierService {
         observed("OpenSession", async {
             self.refuse_if_shutting_down()?;
             let guard = self.state.sessions.open(&request.get_ref().client_name);
+            let mut removals = request
+                .get_ref()
+                .watch_removals
+                .then(|| self.state.store.removals().subscribe());
             let (tx, rx) = mpsc::channel(4);
             let opened = proto::SessionEvent {
                 event: Some(proto::session_event::Event::Opened(proto::SessionOpened {
@@ -309,6 +363,16 @@ impl KvTier for KvTierService {
                             return;
                         }
                         _ = tx.closed() => return,
+                        first = next_removal(&mut removals) => {
+                            let Some(first) = first else {
+                                removals = None; // the store is gone: heartbeats go on
+                                continue;
+                            };
+                            let event = removal_event(first, removals.as_mut());
+                            if tx.send(Ok(event)).await.is_err() {
+                                return;
+                            }
+                        }
                     }
                 }
             });
@@ -799,6 +863,9 @@ impl KvTier for KvTierService {
                     Some(r) if remote_tier => r.clear(ns)?,
                     _ => 0,
                 };
+                if host + disk > 0 {
+                    state.store.removals().cleared();
+                }
                 Ok((host, kept, disk, remote))
             })
             .await?;

@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use crate::aligned_buf::AlignedBuf;
 use crate::disk_format::{EntryHeader, HEADER_BYTES, IndexRecord};
 use crate::key_hasher::KeyHasherBuilder;
+use crate::removal_feed::{DropHook, HookSlot};
 use crate::shm_region::ShmRegion;
 use crate::{PAGE_ALIGN, StoreError};
 
@@ -211,6 +212,19 @@ struct Inner {
     /// waits for a pass already syncing its region instead of finding nothing dirty.
     sync_lock: Mutex<()>,
     counters: Counters,
+    /// Told of each entry a reclaimed region drops (see `TieredStore`'s removal feed).
+    on_reclaim: HookSlot,
+}
+
+/// A [`DiskTier`] that is not kept alive by this reference.
+#[derive(Debug, Clone)]
+pub(crate) struct WeakDiskTier(std::sync::Weak<Inner>);
+
+impl WeakDiskTier {
+    /// The tier, while it lives.
+    pub(crate) fn upgrade(&self) -> Option<DiskTier> {
+        self.0.upgrade().map(|inner| DiskTier { inner })
+    }
 }
 
 /// The disk tier. Cheap to clone (an `Arc`). All I/O is blocking: call it from transfer worker
@@ -298,6 +312,7 @@ impl DiskTier {
             cleared: Mutex::new(read_cleared(&dir)),
             dirty: Mutex::new(BTreeMap::new()),
             sync_lock: Mutex::new(()),
+            on_reclaim: HookSlot::default(),
             counters: Counters::default(),
         };
         let mut report = inner.recover()?;
@@ -338,6 +353,17 @@ impl DiskTier {
     /// Whether I/O bypasses the page cache (O_DIRECT).
     pub fn direct_io(&self) -> bool {
         self.inner.direct
+    }
+
+    /// Calls `hook` with each entry a reclaimed region drops (set once; a second hook is
+    /// ignored).
+    pub(crate) fn set_reclaim_hook(&self, hook: DropHook) {
+        self.inner.on_reclaim.set(hook);
+    }
+
+    /// A reference that does not keep the tier alive (for the other tiers' hooks).
+    pub(crate) fn downgrade(&self) -> WeakDiskTier {
+        WeakDiskTier(Arc::downgrade(&self.inner))
     }
 
     /// Whether block `key` of `ns` is on disk (as far as the index knows; a load verifies).

@@ -24,6 +24,7 @@ use crate::StoreError;
 use crate::eviction::{EvictionKind, EvictionPolicy};
 use crate::host_arena::{ArenaBacking, HostArena, PageId};
 use crate::key_hasher::KeyHasherBuilder;
+use crate::removal_feed::{DropHook, HookSlot};
 use crate::shm_region::{Prefault, ShmRegion};
 
 const FREE: u8 = 0;
@@ -145,6 +146,17 @@ struct Counters {
     no_space: AtomicU64,
 }
 
+/// A [`HostTier`] that is not kept alive by this reference.
+#[derive(Debug, Clone)]
+pub(crate) struct WeakHostTier(std::sync::Weak<Inner>);
+
+impl WeakHostTier {
+    /// The tier, while it lives.
+    pub(crate) fn upgrade(&self) -> Option<HostTier> {
+        self.0.upgrade().map(|inner| HostTier { inner })
+    }
+}
+
 #[derive(Debug)]
 struct Inner {
     /// Notified whenever a written page is committed or abandoned (see `pin_waiting`).
@@ -154,6 +166,8 @@ struct Inner {
     meta: Box<[PageMeta]>,
     alloc: Mutex<AllocState>,
     counters: Counters,
+    /// Told of each block evicted (see `TieredStore`'s removal feed).
+    on_evict: HookSlot,
 }
 
 /// A snapshot of a host tier's counters and gauges.
@@ -258,6 +272,7 @@ impl HostTier {
                 counters: Counters::default(),
                 settled: (Mutex::new(()), Condvar::new()),
                 arena,
+                on_evict: HookSlot::default(),
             }),
         })
     }
@@ -445,6 +460,17 @@ impl HostTier {
             .is_some_and(|p| inner.meta[*p as usize].state.load(Ordering::Acquire) == WRITING)
     }
 
+    /// Calls `hook` with each block the tier evicts, under its allocation lock (set once; a
+    /// second hook is ignored).
+    pub(crate) fn set_eviction_hook(&self, hook: DropHook) {
+        self.inner.on_evict.set(hook);
+    }
+
+    /// A reference that does not keep the tier alive (for the other tiers' hooks).
+    pub(crate) fn downgrade(&self) -> WeakHostTier {
+        WeakHostTier(Arc::downgrade(&self.inner))
+    }
+
     /// Whether block `key` of `ns` is resident and readable.
     pub fn contains(&self, ns: NamespaceFingerprint, key: BlockKey) -> bool {
         self.inner
@@ -576,6 +602,9 @@ impl Inner {
         let AllocState { policy, links, .. } = st;
         let page = policy.evict(&mut |p| self.try_free_links(links, p, true))?;
         self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+        // The page is not reused before this returns (the allocation lock is held).
+        let meta = &self.meta[page as usize];
+        self.on_evict.call(meta.ns(), meta.key());
         Some(page)
     }
 

@@ -29,6 +29,7 @@ mod host_tier;
 mod key_hasher;
 mod remote_tier;
 pub mod remote_value;
+mod removal_feed;
 mod shm_region;
 #[cfg(any(test, feature = "test-util"))]
 pub mod test_cluster;
@@ -43,5 +44,6 @@ pub use host_tier::{
     Reservation,
 };
 pub use remote_tier::{DropReason, RemoteReads, RemoteTier, RemoteTierConfig, RemoteTierStats};
+pub use removal_feed::{RemovalFeed, Removed};
 pub use shm_region::{CopyKind, Prefault, ShmRegion};
 pub use tiered_store::{PrefixMatch, TieredStore, TieredStoreConfig, TieredStoreStats, WritePolicy};

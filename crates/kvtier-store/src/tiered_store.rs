@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     DiskTier, DiskTierConfig, DiskTierStats, HostTier, HostTierConfig, HostTierStats, RecoveryReport,
-    RemoteTier, RemoteTierConfig, RemoteTierStats, StoreError,
+    RemoteTier, RemoteTierConfig, RemoteTierStats, RemovalFeed, Removed, StoreError,
 };
 
 /// Which blocks are written to the disk tier.
@@ -114,6 +114,7 @@ pub struct TieredStore {
     write_policy: WritePolicy,
     admit_min_hits: u32,
     remote: Option<RemoteTier>,
+    removals: RemovalFeed,
 }
 
 impl TieredStore {
@@ -154,13 +155,43 @@ impl TieredStore {
         write_policy: WritePolicy,
         admit_min_hits: u32,
     ) -> Self {
+        let removals = RemovalFeed::new();
+        // A block leaves kvtier when the last of host and disk drops it. Each tier's hook
+        // holds the other weakly (no cycle keeps the tiers alive).
+        let disk_ref = disk.as_ref().map(DiskTier::downgrade);
+        let feed = removals.clone();
+        host.set_eviction_hook(Box::new(move |ns, key| {
+            let on_disk = disk_ref
+                .as_ref()
+                .and_then(|d| d.upgrade())
+                .is_some_and(|d| d.contains(ns, key));
+            if !on_disk {
+                feed.send(Removed::Block(ns, key));
+            }
+        }));
+        if let Some(d) = &disk {
+            let host_ref = host.downgrade();
+            let feed = removals.clone();
+            d.set_reclaim_hook(Box::new(move |ns, key| {
+                if !host_ref.upgrade().is_some_and(|h| h.contains(ns, key)) {
+                    feed.send(Removed::Block(ns, key));
+                }
+            }));
+        }
         Self {
             host,
             disk,
             write_policy,
             admit_min_hits: admit_min_hits.max(1),
             remote: None,
+            removals,
         }
+    }
+
+    /// Blocks leaving kvtier's host and disk tiers ([`RemovalFeed`]): evicted from the last
+    /// of them that held them, or cleared. Subscribe to watch.
+    pub fn removals(&self) -> &RemovalFeed {
+        &self.removals
     }
 
     /// The same tiers with `remote` as the remote tier.
@@ -288,6 +319,9 @@ impl TieredStore {
             Some(d) => d.clear(ns)?,
             None => 0,
         };
+        if host + disk > 0 {
+            self.removals.send(Removed::Cleared);
+        }
         Ok((host, disk))
     }
 

@@ -36,18 +36,32 @@ TIER_DISK: Tier
 TIER_REMOTE: Tier
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("client_name",)
+    __slots__ = ("client_name", "watch_removals")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    WATCH_REMOVALS_FIELD_NUMBER: _ClassVar[int]
     client_name: str
-    def __init__(self, client_name: _Optional[str] = ...) -> None: ...
+    watch_removals: bool
+    def __init__(self, client_name: _Optional[str] = ..., watch_removals: _Optional[bool] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("opened", "heartbeat")
+    __slots__ = ("opened", "heartbeat", "removed")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
     opened: SessionOpened
     heartbeat: Heartbeat
-    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    removed: BlocksRemoved
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ...) -> None: ...
+
+class BlocksRemoved(_message.Message):
+    __slots__ = ("keys", "cleared", "lost")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    cleared: bool
+    lost: bool
+    def __init__(self, keys: _Optional[bytes] = ..., cleared: _Optional[bool] = ..., lost: _Optional[bool] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("session_id", "geometry")

@@ -63,6 +63,7 @@ name), ``cache_salt`` (for requests without one), ``client_name``.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
@@ -303,9 +304,10 @@ class KvtierConnector(KVConnectorBase_V1):
         self._loads: dict[str, LoadSpec] = {}
         self._block_info: dict[int, tuple[int | None, list[int]]] = {}
         self._events: list[KVCacheEvent] = []
-        #: Keys announced as BlockStored and not since as BlockRemoved (oldest first, at most
-        #: ANNOUNCED_KEYS: beyond that the oldest are forgotten without an event).
-        self._announced: dict[int, None] = {}
+        #: Keys announced as BlockStored and not since as BlockRemoved, with when (monotonic
+        #: seconds; oldest first, at most ANNOUNCED_KEYS: beyond that the oldest are forgotten
+        #: without an event).
+        self._announced: dict[int, float] = {}
         self._kv_cache_manager: KVCacheManager | None = None
         self._delayed_frees: list[str] = []
         # worker side
@@ -336,6 +338,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._session, self._pool, self._handle = open_staging(
             self._target, client_name, auth_token=self._auth_token, geometry=self._geometry, slots=slots,
             model=self._model, tp_rank=self._tp_rank, tp_size=self._tp_size, engine_kv="vLLM's KV cache",
+            watch_removals=True,
         )
 
     def _ready(self) -> tuple[Session, PoolHandle]:
@@ -497,7 +500,7 @@ class KvtierConnector(KVConnectorBase_V1):
             parent, tokens = info
             if key in self._announced:  # stored again (vLLM computed it locally): no news
                 continue
-            self._announced[key] = None
+            self._announced[key] = time.monotonic()
             if len(self._announced) > ANNOUNCED_KEYS:
                 del self._announced[next(iter(self._announced))]
             self._events.append(BlockStored(
@@ -519,8 +522,29 @@ class KvtierConnector(KVConnectorBase_V1):
         return True, None
 
     def take_events(self) -> list[KVCacheEvent]:
+        """This step's KV events: ``BlockStored`` for finished stores, ``BlockRemoved`` for
+        announced blocks kvtier dropped since (as the sidecar reports them, or found missing by
+        a ``Match``)."""
+        self._take_removals()
         events, self._events = self._events, []
         return events
+
+    def _take_removals(self) -> None:
+        """The sidecar's removals of announced blocks become one ``BlockRemoved``; a clear or a
+        lag (unnamed removals) removes every block announced before it was heard (one
+        announced after may have been stored before it and cleared: a later ``Match`` finds
+        that)."""
+        if self._session is None:
+            return
+        r = self._session.take_removals()
+        gone = [k for k in r.keys if k in self._announced]
+        if r.cleared or r.lost:
+            named = set(gone)
+            gone += [k for k, at in self._announced.items() if at <= r.unnamed_at and k not in named]
+        if gone:
+            for k in gone:
+                del self._announced[k]
+            self._events.append(BlockRemoved(block_hashes=gone, medium=MEDIUM))
 
     # ==========================================================================================
     # Worker side

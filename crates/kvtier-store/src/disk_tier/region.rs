@@ -202,6 +202,7 @@ impl Inner {
         for r in region.records().iter() {
             if self.index.remove_if(&r.key, |_, l| l.region == id).is_some() {
                 dropped += 1;
+                self.on_reclaim.call(r.ns, r.key);
             }
         }
         let _ = std::fs::remove_file(&region.path);

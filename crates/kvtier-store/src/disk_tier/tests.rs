@@ -446,3 +446,49 @@ fn unsynced_blocks_are_counted_until_a_sync_or_flush() {
     t.flush().unwrap();
     assert_eq!(t.stats().unsynced_blocks, 0);
 }
+
+/// With a disk tier: a host eviction of a block the disk holds is not a removal; a reclaimed
+/// region's blocks that the host does not hold are.
+#[test]
+fn only_blocks_that_leave_both_tiers_are_removals() {
+    use crate::{EvictionKind, HostTier, HostTierConfig, Removed, Reservation, TieredStore, WritePolicy};
+    let dir = tempfile::tempdir().unwrap();
+    let region = 4096 + 8 * 12288;
+    let cfg = DiskTierConfig {
+        capacity: ByteSize(2 * region),
+        ..config(dir.path())
+    };
+    let (disk, _) = DiskTier::open(geo(), &cfg).unwrap();
+    let host = HostTier::new(
+        geo(),
+        &HostTierConfig {
+            capacity: ByteSize(2 * BLOCK as u64),
+            eviction: EvictionKind::Lru,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let store = TieredStore::new(host.clone(), Some(disk.clone()), WritePolicy::All, 1);
+    let mut rx = store.removals().subscribe();
+    let ks = keys(20, 77);
+    // ks[0] goes to the disk; ks[1] does not. Both are then evicted from the host.
+    write_all(&disk, &ks[..1]);
+    for &k in &ks[..4] {
+        let Reservation::Writer(w) = host.reserve(NS, k, None).unwrap() else {
+            panic!("fresh key");
+        };
+        w.commit();
+    }
+    let heard: Vec<Removed> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
+    assert_eq!(heard, vec![Removed::Block(NS, ks[1])], "ks[0] is still on disk");
+    // 16 more blocks on disk: two regions of 8 each, so the oldest (ks[0] and 7 others) goes.
+    write_all(&disk, &ks[4..20]);
+    let heard: Vec<Removed> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
+    assert!(heard.contains(&Removed::Block(NS, ks[0])), "{heard:?}");
+    assert!(
+        !heard
+            .iter()
+            .any(|r| matches!(r, Removed::Block(_, k) if *k == ks[2] || *k == ks[3])),
+        "ks[2] and ks[3] are in the host: {heard:?}"
+    );
+}

@@ -439,3 +439,28 @@ fn each_admission_threshold_is_reached_on_its_own_match() {
     // 0 admits nothing, whatever the count.
     assert_eq!(t.match_prefix_counting(NS, &keys, [0]).1, [Vec::<usize>::new()]);
 }
+
+/// Evictions reach the tiered store's removal feed, named; a clear says so; nothing is queued
+/// while nobody watches.
+#[test]
+fn evictions_and_clears_reach_the_removal_feed() {
+    use crate::{Removed, TieredStore};
+    let t = tier(4, EvictionKind::Lru);
+    let tiers = TieredStore::host_only(t.clone());
+    let ks: Vec<BlockKey> = (0..8).map(|i| chain(1, 100 + i)[0]).collect();
+    store(&t, ks[0], None).unwrap();
+    let mut rx = tiers.removals().subscribe();
+    for &k in &ks[1..] {
+        store(&t, k, None).unwrap();
+    }
+    // 8 blocks through 4 pages: the 4 oldest left, in order.
+    let heard: Vec<Removed> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
+    assert_eq!(
+        heard,
+        ks[..4].iter().map(|&k| Removed::Block(NS, k)).collect::<Vec<_>>()
+    );
+    assert!(ks[..4].iter().all(|&k| !t.contains(NS, k)));
+    tiers.clear(None).unwrap();
+    assert_eq!(rx.try_recv().unwrap(), Removed::Cleared);
+    assert!(rx.try_recv().is_err());
+}
