@@ -47,9 +47,14 @@ impl RemovalFeed {
         self.send(Removed::Cleared);
     }
 
+    /// Whether anyone watches (the hooks skip their lookups otherwise).
+    pub(crate) fn watched(&self) -> bool {
+        self.tx.receiver_count() > 0
+    }
+
     /// Tells the watchers, if any.
     pub(crate) fn send(&self, removed: Removed) {
-        if self.tx.receiver_count() > 0 {
+        if self.watched() {
             let _ = self.tx.send(removed);
         }
     }

@@ -161,6 +161,9 @@ impl TieredStore {
         let disk_ref = disk.as_ref().map(DiskTier::downgrade);
         let feed = removals.clone();
         host.set_eviction_hook(Box::new(move |ns, key| {
+            if !feed.watched() {
+                return;
+            }
             let on_disk = disk_ref
                 .as_ref()
                 .and_then(|d| d.upgrade())
@@ -173,7 +176,7 @@ impl TieredStore {
             let host_ref = host.downgrade();
             let feed = removals.clone();
             d.set_reclaim_hook(Box::new(move |ns, key| {
-                if !host_ref.upgrade().is_some_and(|h| h.contains(ns, key)) {
+                if feed.watched() && !host_ref.upgrade().is_some_and(|h| h.contains(ns, key)) {
                     feed.send(Removed::Block(ns, key));
                 }
             }));
