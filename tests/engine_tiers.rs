@@ -74,13 +74,15 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
-/// Flips one payload byte of each disk entry whose header holds one of `keys`.
+/// Flips one payload byte of each disk entry whose header holds one of `keys`, in place (as
+/// another writer would: the file never shrinks under the sidecar's mappings).
 fn corrupt(disk: &Path, keys: &[kvtier_core::BlockKey]) -> usize {
+    use std::os::unix::fs::FileExt;
     let mut hit = 0;
     for entry in std::fs::read_dir(disk).unwrap() {
         let path = entry.unwrap().path();
-        let mut bytes = std::fs::read(&path).unwrap();
-        let mut changed = false;
+        let bytes = std::fs::read(&path).unwrap();
+        let mut flips = Vec::new();
         for key in keys {
             let needle = key.0.to_le_bytes();
             let mut at = 0;
@@ -88,15 +90,18 @@ fn corrupt(disk: &Path, keys: &[kvtier_core::BlockKey]) -> usize {
                 let header = (at + p) / 4096 * 4096;
                 let payload = header + 4096 + 100;
                 if payload < bytes.len() && bytes[header..header + 8] == *b"KVTBLOK\0" {
-                    bytes[payload] ^= 0x5a;
-                    changed = true;
+                    flips.push(payload);
                     hit += 1;
                 }
                 at += p + 16;
             }
         }
-        if changed {
-            std::fs::write(&path, &bytes).unwrap();
+        if !flips.is_empty() {
+            let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+            for payload in flips {
+                file.write_all_at(&[bytes[payload] ^ 0x5a], payload as u64)
+                    .unwrap();
+            }
         }
     }
     hit

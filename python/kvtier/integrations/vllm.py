@@ -734,7 +734,8 @@ class KvtierConnector(KVConnectorBase_V1):
         got = _Fetched(slots=slots, failed=set(blocks[n:]))
         try:
             done = session.load_wait(handle, keys[:n], into, cache_salt=spec.cache_salt) if n else None
-        except KvtierError as e:
+        except Exception as e:  # noqa: BLE001 - whatever happened, the request must be reported
+            # (a load that never reports leaves the request waiting in vLLM forever)
             logger.warning("kvtier: load for %s failed: %s", spec.req_id, e)
             got.failed.update(blocks)
             return got
