@@ -163,6 +163,16 @@ def kvtier_view(caches: dict[str, torch.Tensor], block: int) -> torch.Tensor:
     ])
 
 
+def assert_scheduled_loaded(out: Any, req_id: str, blocks: int, caches: dict[str, torch.Tensor],
+                            stored_kv: list[torch.Tensor]) -> None:
+    """``out`` schedules ``req_id`` first among its new requests with ``blocks`` whole blocks
+    computed, and its first ``blocks`` blocks hold ``stored_kv`` bit-exact."""
+    nr = out.scheduled_new_reqs[0]
+    assert (nr.req_id, nr.num_computed_tokens) == (req_id, blocks * BLOCK)
+    for i, blk in enumerate(nr.block_ids[0][:blocks]):
+        assert torch.equal(kvtier_view(caches, blk).view(torch.int16), stored_kv[i].view(torch.int16)), i
+
+
 def forward(w: KvtierConnector, caches: dict[str, torch.Tensor], out: Any) -> KVConnectorOutput:
     """What vLLM's model runner does around a forward: let preempted requests' stores finish,
     bind the metadata, start the loads, per layer wait for its load and save it; then wait for
@@ -513,10 +523,7 @@ def test_kv_in_shared_memory_moves_in_place_and_frees_wait_for_stores(
             raw.zero_()
             s.add_request(request("b", prompt[: 3 * BLOCK] + [11] * 5))
             out = step(s, w, caches, gen, written)
-            nr = out.scheduled_new_reqs[0]
-            assert nr.num_computed_tokens == 3 * BLOCK
-            for i, b in enumerate(nr.block_ids[0][:3]):
-                assert torch.equal(kvtier_view(caches, b).view(torch.int16), stored_kv[i].view(torch.int16)), i
+            assert_scheduled_loaded(out, "b", 3, caches, stored_kv)
             while s.has_requests():
                 step(s, w, caches, gen, written)
         finally:
@@ -595,10 +602,7 @@ def test_background_loads_keep_the_request_waiting_and_never_block_the_forward(
         w.flush()
         step(s, w, caches, gen, written)
         out = step(s, w, caches, gen, written)
-        nr = out.scheduled_new_reqs[0]
-        assert (nr.req_id, nr.num_computed_tokens) == ("b", 3 * BLOCK)
-        for i, blk in enumerate(nr.block_ids[0][:3]):
-            assert torch.equal(kvtier_view(caches, blk).view(torch.int16), stored_kv[i].view(torch.int16)), i
+        assert_scheduled_loaded(out, "b", 3, caches, stored_kv)
         run_to_end(s, w, caches, gen, written)
 
         # Aborted while loading: vLLM keeps the blocks until the load is reported.
@@ -652,10 +656,7 @@ def test_background_loads_through_staging_copy_out_when_reported(sidecar: Sideca
         step(s, w, caches, gen, written)  # reported: 2 blocks copied out, the third failed
         assert len(w._free) == 2
         out = step(s, w, caches, gen, written)
-        nr = out.scheduled_new_reqs[0]
-        assert (nr.req_id, nr.num_computed_tokens) == ("b", 2 * BLOCK)
-        for i, blk in enumerate(nr.block_ids[0][:2]):
-            assert torch.equal(kvtier_view(caches, blk).view(torch.int16), stored_kv[i].view(torch.int16)), i
+        assert_scheduled_loaded(out, "b", 2, caches, stored_kv)
         run_to_end(s, w, caches, gen, written)
 
 

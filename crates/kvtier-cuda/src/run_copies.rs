@@ -38,13 +38,6 @@ pub struct RunsBatch {
 const _: () = assert!(std::mem::size_of::<Plane>() == 16);
 const _: () = assert!(std::mem::size_of::<RunsBatch>() == 3888);
 
-impl RunsBatch {
-    /// Bytes one launch of this batch copies.
-    pub fn bytes(&self) -> u64 {
-        u64::from(self.count) * u64::from(self.runs) * self.run_bytes
-    }
-}
-
 /// The launches that copy `copies` of `layer` in `direction` with `kvtier_copy_runs`, or `None`
 /// where the layer is not split per token or head (the piece paths serve it better) or
 /// something is not 16-byte aligned. `buffers`: the pool's buffers' device addresses;

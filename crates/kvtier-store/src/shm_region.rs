@@ -556,10 +556,11 @@ impl ShmRegion {
                 Self::check_copy(src, src_offset, dst, dst_offset, len)?;
                 // SAFETY: as in `copy_as`: both ranges are inside their mappings and disjoint.
                 unsafe {
-                    copy_piece_unfenced(
+                    copy_unfenced(
                         src.map.as_ptr().add(src_offset),
                         dst.map.as_mut_ptr().add(dst_offset),
                         len,
+                        64,
                     );
                 }
                 Ok(())
@@ -753,38 +754,32 @@ const STREAM_MIN_BYTES: usize = 64 << 10;
 /// `src` must be valid for reads and `dst` for writes of `len` bytes, and the ranges must not
 /// overlap.
 unsafe fn copy_bytes(src: *const u8, dst: *mut u8, len: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if len >= STREAM_MIN_BYTES {
-        // SAFETY: the caller's contract; the fence orders the streaming stores before any
-        // later store.
-        unsafe {
-            stream_unfenced(src, dst, len);
-            std::arch::x86_64::_mm_sfence();
-        }
-        return;
-    }
     // SAFETY: the caller's contract.
-    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+    if unsafe { copy_unfenced(src, dst, len, STREAM_MIN_BYTES) } {
+        fence_streams();
+    }
 }
 
-/// [`copy_bytes`] for one of many short pieces of a larger copy: pieces of at least 64 bytes
-/// are streamed on x86-64 and left unfenced: the caller calls [`fence_streams`] after the
-/// last.
+/// Copies `len` bytes, streamed (non-temporal stores, not fenced) when `len >= stream_from` on
+/// x86-64, else with `memcpy`; whether it streamed. [`ShmRegion::copy_many`] streams each of
+/// many short pieces of one large copy and fences once after the last ([`fence_streams`]).
 ///
 /// # Safety
 /// As [`copy_bytes`].
-unsafe fn copy_piece_unfenced(src: *const u8, dst: *mut u8, len: usize) {
+unsafe fn copy_unfenced(src: *const u8, dst: *mut u8, len: usize, stream_from: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if len >= 64 {
+    if len >= stream_from {
         // SAFETY: the caller's contract.
         unsafe { stream_unfenced(src, dst, len) };
-        return;
+        return true;
     }
+    let _ = stream_from;
     // SAFETY: the caller's contract.
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+    false
 }
 
-/// Orders the streaming stores of [`copy_piece_unfenced`] before any later store.
+/// Orders the streaming stores of [`copy_unfenced`] before any later store.
 fn fence_streams() {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: SSE2 is part of x86-64's baseline.

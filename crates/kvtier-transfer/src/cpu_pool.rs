@@ -346,23 +346,29 @@ impl DevicePool for CpuDevicePool {
         host: &ShmRegion,
         copies: &[SlotCopy],
     ) -> Result<CopyTicket, TransferError> {
+        let to_device = direction == CopyDirection::HostToDevice;
+        let (src, dst) = if to_device {
+            (host, &self.region)
+        } else {
+            (&self.region, host)
+        };
         for c in copies {
             let pieces = self.pieces(c.slot, layer)?;
-            if let Some(p) = pieces.single() {
-                let (off, at) = (p.offset as usize, c.host_offset);
-                match direction {
-                    CopyDirection::HostToDevice => ShmRegion::copy(host, at, &self.region, off, p.len),
-                    CopyDirection::DeviceToHost => ShmRegion::copy(&self.region, off, host, at, p.len),
+            let many = pieces.len() > 1;
+            let ranges = pieces.map(|p| {
+                let (slot, page) = (p.offset as usize, c.host_offset + p.at);
+                if to_device {
+                    (page, slot, p.len)
+                } else {
+                    (slot, page, p.len)
                 }
-                .map_err(|e| self.copy_error(e))?;
-                continue;
-            }
-            let ranges = pieces.map(|p| (p.offset as usize, c.host_offset + p.at, p.len));
-            match direction {
-                CopyDirection::HostToDevice => {
-                    ShmRegion::copy_many(host, &self.region, ranges.map(|(off, at, len)| (at, off, len)))
-                }
-                CopyDirection::DeviceToHost => ShmRegion::copy_many(&self.region, host, ranges),
+            });
+            if many {
+                ShmRegion::copy_many(src, dst, ranges)
+            } else {
+                ranges
+                    .into_iter()
+                    .try_for_each(|(s, d, len)| ShmRegion::copy(src, s, dst, d, len))
             }
             .map_err(|e| self.copy_error(e))?;
         }

@@ -38,9 +38,9 @@ True) until :meth:`~KvtierConnector.get_finished` reports its stores done, and
 :meth:`~KvtierConnector.handle_preemptions` lets a preempted request's stores finish before
 vLLM reuses its blocks. Finished stores' keys go back to the scheduler (worker metadata) and
 come out of :meth:`~KvtierConnector.take_events` as ``BlockStored`` events (medium ``KVTIER``).
-Blocks it announced that a later ``Match`` no longer finds (evicted from every tier, or
-cleared) come out as ``BlockRemoved`` (medium ``KVTIER``): found when a request asks for that
-prefix again, not when kvtier drops them.
+Blocks it announced that leave kvtier come out as ``BlockRemoved`` (medium ``KVTIER``): as the
+sidecar reports them (the scheduler's session watches removals), or when a later ``Match`` no
+longer finds them.
 Blocks a load could not bring (evicted since ``Match``) are reported by
 :meth:`~KvtierConnector.get_block_ids_with_load_errors`, for vLLM to recompute them.
 
@@ -415,11 +415,8 @@ class KvtierConnector(KVConnectorBase_V1):
             logger.warning("kvtier: match failed (%s); computing request %s", e, request.request_id)
             return 0, False
         self._matched[request.request_id] = (m.matched_blocks, num_computed_tokens)
-        gone = [k for k in keys[m.matched_blocks :] if k in self._announced]
-        if gone:  # announced, and no longer in kvtier (or past a block that is not)
-            for k in gone:
-                del self._announced[k]
-            self._events.append(BlockRemoved(block_hashes=gone, medium=MEDIUM))
+        # Announced, and no longer in kvtier (or past a block that is not).
+        self._announce_removed([k for k in keys[m.matched_blocks :] if k in self._announced])
         external = max(0, m.matched_blocks * self._block_size - num_computed_tokens)
         return external, self._load_async and external > 0
 
@@ -541,6 +538,10 @@ class KvtierConnector(KVConnectorBase_V1):
         if r.cleared or r.lost:
             named = set(gone)
             gone += [k for k, at in self._announced.items() if at <= r.unnamed_at and k not in named]
+        self._announce_removed(gone)
+
+    def _announce_removed(self, gone: list[int]) -> None:
+        """One ``BlockRemoved`` for announced keys ``gone``, which are no longer announced."""
         if gone:
             for k in gone:
                 del self._announced[k]
@@ -552,7 +553,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Takes vLLM's per-layer KV tensors (CPU or CUDA) and registers them: where they lie
-        when the sidecar can reach them and their layout is kvtier's per block (``kv_path``
+        when the sidecar can reach them, with the layout their strides give (``kv_path``
         ``auto`` or ``in_place``; :mod:`kvtier.integrations.in_place`), else a staging pool the
         blocks are copied through (``auto`` says why in the log; ``in_place`` raises)."""
         g = self._geometry
@@ -659,13 +660,22 @@ class KvtierConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvtierConnectorMetadata)
         session, handle = self._ready()
         self._finish_loads()
+        loads: list[tuple[LoadSpec, BlockKeys]] = []
+        for spec in meta.loads:
+            keys = self._worker_keys(spec.keys, spec.token_ids, spec.first_block, spec.cache_salt)
+            if spec.asynchronous and self._loader is not None:
+                # In place straight into vLLM's blocks; else into the staging slots free now,
+                # which get_finished copies into vLLM's blocks.
+                slots: list[int] = []
+                if not self._in_place:
+                    with self._slot_lock:
+                        slots = [self._free.popleft() for _ in range(min(len(spec.block_ids), len(self._free)))]
+                self._async_loads[spec.req_id] = self._loader.submit(
+                    self._load_blocks, session, handle, spec, keys, list(spec.block_ids), slots)
+            else:
+                loads.append((spec, keys))
         if self._in_place:
-            for spec in meta.loads:
-                keys = self._worker_keys(spec.keys, spec.token_ids, spec.first_block, spec.cache_salt)
-                if spec.asynchronous and self._loader is not None:
-                    self._async_loads[spec.req_id] = self._loader.submit(
-                        self._load_blocks, session, handle, spec, keys, list(spec.block_ids), [])
-                    continue
+            for spec, keys in loads:
                 a = _ActiveLoad(spec, keys, list(spec.block_ids), None)
                 try:
                     a.stream = session.load(handle, keys, a.slots, cache_salt=spec.cache_salt)
@@ -675,17 +685,7 @@ class KvtierConnector(KVConnectorBase_V1):
                     continue
                 self._active_loads.append(a)
             return
-        jobs: list[tuple[LoadSpec, BlockKeys, list[int]]] = []
-        for spec in meta.loads:
-            keys = self._worker_keys(spec.keys, spec.token_ids, spec.first_block, spec.cache_salt)
-            if spec.asynchronous and self._loader is not None:
-                # Into the staging slots free now; get_finished copies them into vLLM's blocks.
-                with self._slot_lock:
-                    slots = [self._free.popleft() for _ in range(min(len(spec.block_ids), len(self._free)))]
-                self._async_loads[spec.req_id] = self._loader.submit(
-                    self._load_blocks, session, handle, spec, keys, list(spec.block_ids), slots)
-                continue
-            jobs.append((spec, keys, list(spec.block_ids)))
+        jobs = [(spec, keys, list(spec.block_ids)) for spec, keys in loads]
         with self._slot_lock:
             room = len(self._free)
         total = sum(len(b) for _, _, b in jobs)
