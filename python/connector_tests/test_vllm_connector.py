@@ -31,7 +31,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -43,10 +49,12 @@ from sidecar import Sidecar, start_sidecar  # noqa: E402
 
 import kvtier  # noqa: E402
 from kvtier.integrations.vllm import (  # noqa: E402
+    NULL_BLOCK,
     KvtierConnector,
     KvtierConnectorMetadata,
     LoadSpec,
     SaveSpec,
+    kv_geometry,
 )
 
 LAYERS, HEADS, DIM, BLOCK = 4, 2, 16, 16
@@ -741,3 +749,121 @@ def test_kv_that_cannot_move_in_place_says_why(sidecar: Sidecar, model_dir: str)
         w.shutdown()
     finally:
         path.unlink(missing_ok=True)
+
+
+# --- hybrid models: a KV cache group per attention kind ------------------------------------
+
+FULL_NAMES, WINDOW_NAMES = NAMES[1::2], NAMES[0::2]
+
+
+def hybrid_kv_cache_config(window_tokens: int) -> KVCacheConfig:
+    """vLLM's hybrid KV cache: odd layers full attention (group 0), even layers a sliding
+    window (group 1), each group with its own block table over one pool of blocks."""
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float16)
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float16,
+                               sliding_window=window_tokens)
+    page = full.page_size_bytes
+    tensor = KVCacheTensor(size=page * NUM_BLOCKS * LAYERS, layers=NAMES, layer_stride=page * NUM_BLOCKS,
+                           block_stride=page)
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[tensor],
+                         kv_cache_groups=[KVCacheGroupSpec(FULL_NAMES, full), KVCacheGroupSpec(WINDOW_NAMES, window)])
+
+
+def prefix_kv(tokens: list[int], layer: int) -> torch.Tensor:
+    """What the "model" writes for the last block of ``tokens`` in ``layer``: a function of the
+    whole prefix and the layer, so any block's right content is known anywhere."""
+    gen = torch.Generator().manual_seed(hash((tuple(tokens), layer)) % (1 << 31))
+    return torch.randn((HEADS, BLOCK, 2 * DIM), generator=gen).to(torch.float16)
+
+
+def hybrid_step(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor]) -> Any:
+    """A step where the "model" writes every scheduled block of every group's layers (its
+    own block table each; none into a group's null blocks)."""
+    out = s.schedule()
+    for rid, n in out.num_scheduled_tokens.items():
+        req = s.requests[rid]
+        start = req.num_computed_tokens - n  # schedule() has advanced it
+        tokens = list(req.all_token_ids)
+        for g, names in enumerate((FULL_NAMES, WINDOW_NAMES)):
+            ids = s.kv_cache_manager.get_block_ids(rid)[g]
+            for i in range(start // BLOCK, -(-(start + n) // BLOCK)):
+                if ids[i] != NULL_BLOCK:
+                    for name in names:
+                        caches[name][ids[i]] = prefix_kv(tokens[: (i + 1) * BLOCK], NAMES.index(name))
+    kvo = forward(w, caches, out)
+    reqs = list(out.num_scheduled_tokens)
+    done = {r: s.requests[r].num_computed_tokens >= s.requests[r].num_prompt_tokens for r in reqs}
+    s.update_from_output(out, ModelRunnerOutput(req_ids=reqs, sampled_token_ids=[[7] if done[r] else [] for r in reqs],
+                                                kv_connector_output=kvo))
+    return out
+
+
+def test_hybrid_models_store_whole_blocks_and_load_each_groups_own(sidecar: Sidecar, model_dir: str) -> None:
+    """vLLM's hybrid KV cache manager (full-attention and sliding-window groups, a block table
+    each): every block is stored with every layer while all groups still hold it; a later
+    request loads in the background (how vLLM takes a hybrid model's failed load) into each
+    group's own blocks, none into the window group's null blocks before its window, and
+    decodes from exactly what was computed."""
+    config = vllm_config(sidecar, model_dir, staging_slots=32, cache_salt="hybrid")
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    kcc = hybrid_kv_cache_config(window_tokens=2 * BLOCK)
+    s = scheduler(config, kcc)
+    w, caches = worker(config, kcc)
+    try:
+        assert len(s.kv_cache_config.kv_cache_groups) == 2 and w._num_groups == 2
+        assert not w._in_place and w._loader is not None, "staged, loads in the background"
+        gen = torch.Generator().manual_seed(21)
+        prompt = torch.randint(100, 30000, (6 * BLOCK + 4,), generator=gen).tolist()
+        s.add_request(request("a", prompt))
+        outs = []
+        while s.has_requests():
+            outs.append(hybrid_step(s, w, caches))
+            assert len(outs) < 20
+        saves = [sp for o in outs for sp in o.kv_connector_metadata.saves]
+        assert [(len(sp.block_ids), sp.first_block) for sp in saves] == [(4, 0), (2, 4)]
+        assert all(len(sp.group_block_ids) == 1 and NULL_BLOCK not in sp.group_block_ids[0] for sp in saves)
+        with kvtier.connect(sidecar.target, "checker") as other, kvtier.CpuPool.create(other.geometry, 1) as p1:
+            h = other.register_pool(p1, "test/tiny-llama")
+            assert other.match(h, token_ids=prompt, cache_salt="hybrid").matched_blocks == 6
+
+        assert s.reset_prefix_cache()
+        for t in caches.values():
+            t.zero_()
+        s.add_request(request("b", prompt[: 6 * BLOCK] + [11] * 10))
+        out = hybrid_step(s, w, caches)
+        assert s.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        load = out.kv_connector_metadata.loads[0]
+        assert len(load.block_ids) == 6 and NULL_BLOCK not in load.block_ids
+        assert NULL_BLOCK in load.group_block_ids[0], "the window group keeps no block before its window"
+        w.flush()
+        hybrid_step(s, w, caches)  # reported loaded
+        out = hybrid_step(s, w, caches)
+        nr = out.scheduled_new_reqs[0]
+        assert (nr.req_id, nr.num_computed_tokens) == ("b", 6 * BLOCK)
+        copied = 0
+        for g, names in enumerate((FULL_NAMES, WINDOW_NAMES)):
+            for i, b in enumerate(nr.block_ids[g][:6]):
+                if b == NULL_BLOCK:
+                    continue
+                for name in names:
+                    want = prefix_kv(prompt[: (i + 1) * BLOCK], NAMES.index(name))
+                    assert torch.equal(caches[name][b].view(torch.int16), want.view(torch.int16)), (name, i)
+                    copied += 1
+        assert copied == 6 * len(FULL_NAMES) + sum(b != NULL_BLOCK for b in load.group_block_ids[0]) * len(WINDOW_NAMES)
+        while s.has_requests():
+            hybrid_step(s, w, caches)
+    finally:
+        w.shutdown()
+        s.connector.shutdown()
+
+
+def test_hybrid_layers_keep_the_models_order_and_other_shapes_are_refused_by_name() -> None:
+    layers = kv_geometry(hybrid_kv_cache_config(window_tokens=2 * BLOCK))
+    assert (layers.names, layers.groups, layers.geometry.layers) == (NAMES, [1, 0, 1, 0], LAYERS)
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float16)
+    wider = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2 * HEADS, head_size=DIM, dtype=torch.float16,
+                              sliding_window=2 * BLOCK)
+    kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(FULL_NAMES, full), KVCacheGroupSpec(WINDOW_NAMES, wider)])
+    with pytest.raises(ValueError, match=r"KV cache group 1 \(SlidingWindowSpec\) has .*kv_heads=4"):
+        kv_geometry(kcc)

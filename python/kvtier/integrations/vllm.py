@@ -5,7 +5,7 @@ vLLM loads it by its module path::
 
     kvtier serve --set model.layers=28 --set model.kv_heads=8 --set model.head_dim=128 \\
         --set model.dtype=bf16 --set model.block_tokens=16 &      # block = vLLM's block size
-    vllm serve Qwen/Qwen3-8B --block-size 16 --disable-hybrid-kv-cache-manager \\
+    vllm serve Qwen/Qwen3-8B --block-size 16 \\
         --kv-transfer-config '{"kv_connector": "KvtierConnector",
             "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
             "kv_connector_extra_config": {"sidecar": "unix:///run/kvtier/kvtier.sock"}}'
@@ -44,6 +44,17 @@ longer finds them.
 Blocks a load could not bring (evicted since ``Match``) are reported by
 :meth:`~KvtierConnector.get_block_ids_with_load_errors`, for vLLM to recompute them.
 
+Hybrid models (vLLM's hybrid KV cache manager: sliding-window and full-attention layers, or
+other attention kinds, in KV cache groups with a block table each; the connector is
+``SupportsHMA``): a kvtier block still holds every layer of its tokens, in the model's layer
+order. A block is saved in the step that computes it, while every group still holds it (a
+block some group has already dropped is not saved, nor any before it); a load copies each
+layer into its own group's block, and none into a group's null blocks (sliding-window layers
+before their window). Such models go through the staging pool (a kvtier slot is one block of
+every layer; the groups' block tables differ) and load in the background (``load_async`` is
+implied: vLLM takes a hybrid model's failed load only per request, ``failed_recving``). Every
+group must be attention of one geometry; Mamba state and MLA latents are refused by name.
+
 Copies reorder each block between vLLM's per-layer views (``[block, head, token, K‖V]``, the
 standardized ``[B, H, N, C]`` views of vLLM ≥ 0.34, any physical layout; or the older
 ``[2, block, token, head, dim]``) and kvtier's ``[layer][K|V][token][head][dim]``.
@@ -62,6 +73,7 @@ name), ``cache_salt`` (for requests without one), ``client_name``.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import deque
@@ -76,7 +88,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.logger import init_logger
 
@@ -111,29 +125,72 @@ _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 MEDIUM = "KVTIER"
 #: Announced keys the scheduler side remembers, to report them removed (~100 bytes each).
 ANNOUNCED_KEYS = 1 << 20
+#: vLLM's null block (``vllm.v1.attention.backends.utils.NULL_BLOCK_ID``): what a KV cache
+#: group's block table holds where the group keeps no block, e.g. sliding-window layers before
+#: their window.
+NULL_BLOCK = 0
 
 
-def kv_geometry(kv_cache_config: KVCacheConfig) -> tuple[Geometry, list[str]]:
-    """kvtier's geometry of vLLM's KV cache config, and its attention layers in order: one
-    KV cache group of full attention with K and V of one head size (what kvtier's block
-    layout holds). Anything else is refused by name."""
+@dataclass(frozen=True)
+class KvLayers:
+    """vLLM's attention layers as kvtier holds them: the ``geometry`` of one layer's block,
+    the layers' ``names`` in the model's order (kvtier's layer i is ``names[i]``; loads
+    arrive in this order, as the forward uses them) and each one's KV cache ``group`` (hybrid
+    models, such as sliding-window and full-attention layers, have a group per kind, each with
+    its own block table)."""
+
+    geometry: Geometry
+    names: list[str]
+    groups: list[int]
+
+    @property
+    def num_groups(self) -> int:
+        return max(self.groups) + 1
+
+
+def _model_order(names: list[str]) -> list[str]:
+    """``names`` sorted by the layer number in each (``model.layers.7.self_attn.attn``), or
+    as given where a name has none or several."""
+    numbers = [re.findall(r"\.(\d+)\.", f".{n}.") for n in names]
+    if any(len(x) != 1 for x in numbers):
+        return names
+    return [n for _, n in sorted(zip((int(x[0]) for x in numbers), names))]
+
+
+def kv_geometry(kv_cache_config: KVCacheConfig) -> KvLayers:
+    """kvtier's view of vLLM's KV cache config: every KV cache group attention with K and V
+    of one head size (what kvtier's block layout holds), all with one geometry (heads, head
+    size, dtype, block size: a kvtier block holds every layer of its tokens). Anything else
+    (Mamba state, MLA's packed latents, groups of different shapes) is refused by name."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"kvtier: {len(groups)} KV cache groups; kvtier holds one (full attention, "
-                         "--disable-hybrid-kv-cache-manager)")
-    spec = groups[0].kv_cache_spec
-    for attr in ("num_kv_heads", "head_size", "dtype", "block_size"):
-        if not hasattr(spec, attr):
-            raise ValueError(f"kvtier: KV cache spec {type(spec).__name__} is not attention")
-    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
-        raise ValueError(f"kvtier: K head size {spec.head_size} != V head size {spec.head_size_v}")
-    if getattr(spec, "state_content_bytes", None) is not None or getattr(spec, "num_head_slots", None) is not None:
-        raise ValueError(f"kvtier: packed KV cache spec {type(spec).__name__} is not supported")
-    dtype = _DTYPES.get(spec.dtype)
-    if dtype is None:
-        raise ValueError(f"kvtier: KV cache dtype {spec.dtype} is not supported ({list(_DTYPES)})")
-    names = list(groups[0].layer_names)
-    return Geometry(len(names), int(spec.num_kv_heads), int(spec.head_size), dtype, int(spec.block_size)), names
+    if not groups:
+        raise ValueError("kvtier: vLLM's KV cache config has no KV cache group")
+    geometry: Geometry | None = None
+    group_of: dict[str, int] = {}
+    for gi, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        for attr in ("num_kv_heads", "head_size", "dtype", "block_size"):
+            if not hasattr(spec, attr):
+                raise ValueError(f"kvtier: KV cache group {gi} ({kind}) is not attention; kvtier holds attention KV")
+        if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+            raise ValueError(f"kvtier: K head size {spec.head_size} != V head size {spec.head_size_v}")
+        if getattr(spec, "state_content_bytes", None) is not None or getattr(spec, "num_head_slots", None) is not None:
+            raise ValueError(f"kvtier: packed KV cache spec {kind} is not supported")
+        dtype = _DTYPES.get(spec.dtype)
+        if dtype is None:
+            raise ValueError(f"kvtier: KV cache dtype {spec.dtype} is not supported ({list(_DTYPES)})")
+        g = Geometry(1, int(spec.num_kv_heads), int(spec.head_size), dtype, int(spec.block_size))
+        if geometry is not None and g != geometry:
+            raise ValueError(f"kvtier: KV cache group {gi} ({kind}) has {g}, group 0 {geometry}; a kvtier block "
+                             "holds every layer of its tokens in one geometry")
+        geometry = g
+        group_of.update((name, gi) for name in group.layer_names)
+    assert geometry is not None
+    names = _model_order(list(group_of))
+    return KvLayers(
+        Geometry(len(names), geometry.kv_heads, geometry.head_dim, geometry.dtype, geometry.block_tokens),
+        names, [group_of[n] for n in names])
 
 
 # --- metadata ------------------------------------------------------------------------------
@@ -141,7 +198,8 @@ def kv_geometry(kv_cache_config: KVCacheConfig) -> tuple[Geometry, list[str]]:
 
 @dataclass
 class LoadSpec:
-    """Load ``keys`` (packed) into vLLM blocks ``block_ids``, one block each."""
+    """Load ``keys`` (packed) into vLLM blocks ``block_ids``, one block each (and, for a
+    hybrid model, ``group_block_ids``)."""
 
     req_id: str
     keys: bytes
@@ -153,6 +211,12 @@ class LoadSpec:
     #: Loaded in the background (``load_async``): the request waits in vLLM's
     #: ``WAITING_FOR_REMOTE_KVS`` until ``get_finished`` reports it.
     asynchronous: bool = False
+    #: The same blocks in KV cache groups 1, 2, ... (hybrid models; ``block_ids`` is group 0's),
+    #: ``NULL_BLOCK`` where a group keeps none (its layers do not need that block).
+    group_block_ids: list[list[int]] = field(default_factory=list)
+
+    def by_group(self) -> list[list[int]]:
+        return [self.block_ids, *self.group_block_ids]
 
 
 @dataclass
@@ -167,6 +231,11 @@ class SaveSpec:
     cache_salt: str = ""
     token_ids: list[int] | None = None
     first_block: int = 0
+    #: The same blocks in KV cache groups 1, 2, ... (hybrid models; never ``NULL_BLOCK``).
+    group_block_ids: list[list[int]] = field(default_factory=list)
+
+    def by_group(self) -> list[list[int]]:
+        return [self.block_ids, *self.group_block_ids]
 
 
 @dataclass
@@ -225,6 +294,12 @@ def kvtier_to_blocks(kv_layer: torch.Tensor, block_ids: torch.Tensor, src: torch
 # --- the connector -------------------------------------------------------------------------
 
 
+def _group_runs(block_ids: tuple[list[int], ...] | list[list[int]], first: int, last: int) -> list[list[int]]:
+    """Blocks ``first..last`` of each KV cache group's block table, ``NULL_BLOCK`` where a
+    group's table is shorter."""
+    return [[*g[first:last], *[NULL_BLOCK] * (last - first - len(g[first:last]))] for g in block_ids]
+
+
 def _flag(value: Any, name: str) -> bool:
     """A boolean ``kv_connector_extra_config`` value (JSON true/false, or the words)."""
     if isinstance(value, bool):
@@ -247,12 +322,13 @@ class _ReqState:
 @dataclass
 class _Fetched:
     """What a background load brought: staging ``slots`` it holds (freed once copied out),
-    the ``copy_slots`` → ``copy_blocks`` to copy into vLLM's blocks, the blocks that ``failed``."""
+    the ``copy_slots`` → ``copy_blocks`` (per KV cache group) to copy into vLLM's blocks, the
+    blocks that ``failed`` (group 0's ids)."""
 
     slots: list[int]
     failed: set[int]
     copy_slots: list[int] = field(default_factory=list)
-    copy_blocks: list[int] = field(default_factory=list)
+    copy_blocks: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -267,7 +343,7 @@ class _ActiveLoad:
     missing: set[int] = field(default_factory=set)
 
 
-class KvtierConnector(KVConnectorBase_V1):
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM v1 KV connector on a kvtier sidecar (see the module's documentation)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -285,7 +361,15 @@ class KvtierConnector(KVConnectorBase_V1):
         mc = vllm_config.model_config
         self._model = str(extra.get("model_name") or getattr(mc, "served_model_name", None) or mc.model)
         self._salt = str(extra.get("cache_salt", ""))
-        self._geometry, self._layer_names = kv_geometry(kv_cache_config)
+        layers = kv_geometry(kv_cache_config)
+        self._geometry, self._layer_names, self._layer_groups = layers.geometry, layers.names, layers.groups
+        self._num_groups = layers.num_groups
+        if self._num_groups > 1 and not self._load_async:
+            # vLLM takes a failed load of a hybrid model only as a failed background load
+            # (block ids are not unique across groups).
+            logger.info("kvtier: %d KV cache groups (a hybrid model): loads run in the background (load_async)",
+                        self._num_groups)
+            self._load_async = True
         self._block_size = self._geometry.block_tokens
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self._tp_rank = 0
@@ -317,6 +401,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._slot_lock = threading.Condition()
         self._active_loads: list[_ActiveLoad] = []
         self._load_errors: set[int] = set()
+        #: Requests whose background load failed in part (hybrid models: reported whole).
+        self._failed_recving: set[str] = set()
         #: Background loads (``load_async``) per request.
         self._async_loads: dict[str, Future[_Fetched]] = {}
         self._loader: ThreadPoolExecutor | None = None
@@ -441,10 +527,11 @@ class KvtierConnector(KVConnectorBase_V1):
         last = (local + num_external_tokens) // bs
         salt = self._salt_of(request)
         keys = self._keys(st, last, salt)
-        block_ids = list(blocks.get_block_ids()[0][first:last])
+        ids = _group_runs(blocks.get_block_ids(), first, last)
         self._loads[request.request_id] = LoadSpec(
-            request.request_id, keys[first:last].packed, block_ids, salt,
+            request.request_id, keys[first:last].packed, ids[0], salt,
             list(request.all_token_ids[: last * bs]) if self._tp_size > 1 else None, first, self._load_async,
+            ids[1:],
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -470,15 +557,23 @@ class KvtierConnector(KVConnectorBase_V1):
             first = st.known_blocks
             if self._kv_cache_manager is None:
                 raise KvtierError("kvtier: no KV cache manager bound (bind_kv_cache_manager)")
-            block_ids = list(self._kv_cache_manager.get_block_ids(req_id)[0][first:full])
+            ids = _group_runs(self._kv_cache_manager.get_block_ids(req_id), first, full)
+            # A block is stored whole: not those some group no longer keeps (sliding-window
+            # layers drop blocks behind their window), nor any before them.
+            held = next((i for i in range(full - first, 0, -1)
+                         if any(g[i - 1] == NULL_BLOCK for g in ids)), 0)
+            st.known_blocks = full
+            if held == full - first:
+                continue
+            ids = [g[held:] for g in ids]
+            first += held
             toks = st.request.all_token_ids
             for i in range(first, full):
                 self._block_info[keys[i]] = (keys[i - 1] if i else None, list(toks[i * bs : (i + 1) * bs]))
             meta.saves.append(SaveSpec(
-                req_id, keys[first:full].packed, block_ids, keys[first - 1] if first else None, salt,
-                list(toks[: full * bs]) if self._tp_size > 1 else None, first,
+                req_id, keys[first:full].packed, ids[0], keys[first - 1] if first else None, salt,
+                list(toks[: full * bs]) if self._tp_size > 1 else None, first, ids[1:],
             ))
-            st.known_blocks = full
             st.saved = True
         meta.delayed_frees, self._delayed_frees = self._delayed_frees, []
         meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
@@ -517,6 +612,11 @@ class KvtierConnector(KVConnectorBase_V1):
             return False, None
         self._delayed_frees.append(request.request_id)
         return True, None
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """:meth:`request_finished` for hybrid models (vLLM's hybrid KV cache manager)."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def take_events(self) -> list[KVCacheEvent]:
         """This step's KV events: ``BlockStored`` for finished stores, ``BlockRemoved`` for
@@ -560,7 +660,7 @@ class KvtierConnector(KVConnectorBase_V1):
         missing = [n for n in self._layer_names if n not in kv_caches]
         if missing:
             raise ValueError(f"kvtier: no KV cache for layers {missing}")
-        caches = [kv_caches[n] for n in self._layer_names]
+        caches = [kv_caches[n] for n in self._layer_names]  # several layers may share one tensor (hybrid)
         for name, t in zip(self._layer_names, caches):
             if t.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"kvtier: layer {name}'s KV cache is on {t.device}; kvtier moves CPU and CUDA tensors")
@@ -580,6 +680,9 @@ class KvtierConnector(KVConnectorBase_V1):
         try:
             if self._kv_path != "staging":
                 try:
+                    if self._num_groups > 1:
+                        raise NotInPlace(f"{self._num_groups} KV cache groups (a hybrid model) have a block table "
+                                         "each, and a kvtier slot is one block of every layer")
                     self._handle = register_in_place(
                         self._session, [kv_planes(t, g.head_dim) for t in caches], self._model,
                         tp_rank=self._tp_rank, tp_size=self._tp_size)
@@ -624,23 +727,27 @@ class KvtierConnector(KVConnectorBase_V1):
             self._free.extend(slots)
             self._slot_lock.notify_all()
 
-    def _copy_in(self, block_ids: list[int], slots: list[int], layers: range | None = None) -> None:
-        """vLLM blocks → staging slots."""
+    def _copy_in(self, block_ids: list[list[int]], slots: list[int]) -> None:
+        """vLLM blocks (``block_ids`` per KV cache group, each layer from its group's) → staging
+        slots."""
         assert self._staging is not None
-        idx = torch.tensor(block_ids, dtype=torch.long)
+        idx = [torch.tensor(g, dtype=torch.long) for g in block_ids]
         sl = torch.tensor(slots, dtype=torch.long)
-        for layer in layers if layers is not None else range(self._geometry.layers):
-            self._staging[layer].index_copy_(
-                0, sl, blocks_to_kvtier(self._kv_caches[layer], idx.to(self._kv_caches[layer].device),
-                                        self._geometry.head_dim).cpu())
+        for layer in range(self._geometry.layers):
+            kv = self._kv_caches[layer]
+            src = blocks_to_kvtier(kv, idx[self._layer_groups[layer]].to(kv.device), self._geometry.head_dim)
+            self._staging[layer].index_copy_(0, sl, src.cpu())
 
-    def _copy_out(self, slots: list[int], block_ids: list[int], layers: range) -> None:
-        """Staging slots → vLLM blocks."""
+    def _copy_out(self, slots: list[int], block_ids: list[list[int]], layers: range) -> None:
+        """Staging slots → vLLM blocks (``block_ids`` per KV cache group; each layer into its
+        group's, none where that is ``NULL_BLOCK``)."""
         assert self._staging is not None
-        idx = torch.tensor(block_ids, dtype=torch.long)
-        sl = torch.tensor(slots, dtype=torch.long)
         for layer in layers:
-            kvtier_to_blocks(self._kv_caches[layer], idx, self._staging[layer].index_select(0, sl))
+            pairs = [(s, b) for s, b in zip(slots, block_ids[self._layer_groups[layer]]) if b != NULL_BLOCK]
+            if pairs:
+                sl = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+                idx = torch.tensor([b for _, b in pairs], dtype=torch.long)
+                kvtier_to_blocks(self._kv_caches[layer], idx, self._staging[layer].index_select(0, sl))
 
     def _worker_keys(self, keys: bytes, token_ids: list[int] | None, first: int, salt: str) -> BlockKeys:
         """A spec's keys in this rank's namespace (rank 0's are the scheduler's)."""
@@ -671,7 +778,7 @@ class KvtierConnector(KVConnectorBase_V1):
                     with self._slot_lock:
                         slots = [self._free.popleft() for _ in range(min(len(spec.block_ids), len(self._free)))]
                 self._async_loads[spec.req_id] = self._loader.submit(
-                    self._load_blocks, session, handle, spec, keys, list(spec.block_ids), slots)
+                    self._load_blocks, session, handle, spec, keys, slots)
             else:
                 loads.append((spec, keys))
         if self._in_place:
@@ -725,13 +832,14 @@ class KvtierConnector(KVConnectorBase_V1):
             self._active_loads.append(a)
 
     def _load_blocks(self, session: Session, handle: PoolHandle, spec: LoadSpec, keys: BlockKeys,
-                     blocks: list[int], slots: list[int]) -> _Fetched:
+                     slots: list[int]) -> _Fetched:
         """A background load (``load_async``, on the loader thread): straight into vLLM's
-        ``blocks`` in place (``slots`` empty), else into staging ``slots`` (the blocks past
-        them fail)."""
+        blocks in place (``slots`` empty), else into staging ``slots`` (the blocks past them
+        fail)."""
+        blocks = spec.block_ids
         into = slots if not self._in_place else blocks
         n = len(into)
-        got = _Fetched(slots=slots, failed=set(blocks[n:]))
+        got = _Fetched(slots=slots, failed=set(blocks[n:]), copy_blocks=[[] for _ in range(self._num_groups)])
         try:
             done = session.load_wait(handle, keys[:n], into, cache_salt=spec.cache_salt) if n else None
         except Exception as e:  # noqa: BLE001 - whatever happened, the request must be reported
@@ -740,12 +848,14 @@ class KvtierConnector(KVConnectorBase_V1):
             got.failed.update(blocks)
             return got
         missing = set(done.missing) if done is not None else set()
-        for k, b, s in zip(keys[:n], blocks, into):
+        by_group = spec.by_group()
+        for i, (k, s) in enumerate(zip(keys[:n], into)):
             if k in missing:
-                got.failed.add(b)
+                got.failed.add(blocks[i])
             elif not self._in_place:
                 got.copy_slots.append(s)
-                got.copy_blocks.append(b)
+                for g, ids in zip(got.copy_blocks, by_group):
+                    g.append(ids[i])
         return got
 
     def _load_sync(self, session: Session, handle: PoolHandle, spec: LoadSpec, keys: BlockKeys,
@@ -757,8 +867,8 @@ class KvtierConnector(KVConnectorBase_V1):
             self._load_errors.update(blocks)
             return
         ok_slots, ok_blocks = self._split_missing(keys, blocks, slots, done)
-        if ok_blocks:
-            self._copy_out(ok_slots, ok_blocks, range(self._geometry.layers))
+        if ok_blocks:  # one KV cache group: hybrid models load in the background
+            self._copy_out(ok_slots, [ok_blocks], range(self._geometry.layers))
 
     def _split_missing(self, keys: BlockKeys, blocks: list[int], slots: list[int],
                        done: LoadDone) -> tuple[list[int], list[int]]:
@@ -818,8 +928,8 @@ class KvtierConnector(KVConnectorBase_V1):
             upto = min(layer, a.ready_layer)
             if upto > a.copied and not self._in_place:
                 pairs = [(s, b) for k, s, b in zip(a.keys, a.slots, a.spec.block_ids) if k not in a.missing]
-                if pairs:
-                    self._copy_out([s for s, _ in pairs], [b for _, b in pairs], range(a.copied + 1, upto + 1))
+                if pairs:  # one KV cache group: hybrid models load in the background
+                    self._copy_out([s for s, _ in pairs], [[b for _, b in pairs]], range(a.copied + 1, upto + 1))
                 a.copied = upto
 
     def _finish_loads(self) -> None:
@@ -876,10 +986,11 @@ class KvtierConnector(KVConnectorBase_V1):
                                    spec.cache_salt, computed)
                 continue
             done = 0
+            by_group = spec.by_group()
             while done < len(keys):
                 slots = self._take_slots(len(keys) - done)
                 run_keys = keys[done : done + len(slots)]
-                self._copy_in(spec.block_ids[done : done + len(slots)], slots)
+                self._copy_in([g[done : done + len(slots)] for g in by_group], slots)
                 self._submit_store(spec.req_id, session, handle, run_keys, slots, parent, spec.cache_salt, None)
                 parent = run_keys[-1]
                 done += len(slots)
@@ -958,11 +1069,22 @@ class KvtierConnector(KVConnectorBase_V1):
         recving = {r for r, f in self._async_loads.items() if f.done()}
         for r in recving:
             got = self._async_loads.pop(r).result()
-            if got.copy_blocks:
+            if got.copy_slots:
                 self._copy_out(got.copy_slots, got.copy_blocks, range(self._geometry.layers))
             self._give_slots(got.slots)
-            self._load_errors.update(got.failed)
+            if self._num_groups == 1:
+                self._load_errors.update(got.failed)
+            elif got.failed:  # block ids are not unique across groups: the request fails whole
+                self._failed_recving.add(r)
         return (sent or None), (recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished`, and the background loads of a hybrid model that failed in
+        part (vLLM recomputes or fails those requests, by ``kv_load_failure_policy``)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_recving = self._failed_recving, set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=failed)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """The keys of the stores finished since the last step."""
