@@ -387,6 +387,47 @@ def test_worker_moves_blocks_bit_exact_across_layouts_and_staging_runs(
         b.shutdown()
 
 
+
+def test_saved_layers_are_staged_as_vllm_writes_them(sidecar: Sidecar, model_dir: str) -> None:
+    """Through staging, save_kv_layer copies each layer of the step's saved blocks into the
+    staging slots free at the step's first layer, as vLLM writes the layer; blocks past those
+    slots are copied at wait_for_save. Shown by what is stored: blocks changed after their
+    layers were saved keep what the layers held then, the rest what they hold at the end."""
+    salt = "per-layer"
+    config = vllm_config(sidecar, model_dir, staging_slots=4, cache_salt=salt)
+    kcc = kv_cache_config()
+    a, a_caches = worker(config, kcc)
+    b, b_caches = worker(config, kcc)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        tokens = torch.randint(0, 30000, (10 * BLOCK,), generator=gen).tolist()
+        keys = kvtier.Namespace("test/tiny-llama", kvtier.Geometry(LAYERS, HEADS, DIM, "f16", BLOCK),
+                                cache_salt=salt).keys(tokens)
+        src, dst = list(range(3, 13)), list(range(40, 50))
+        a.bind_connector_metadata(KvtierConnectorMetadata(saves=[SaveSpec("x", keys.packed, src, None, salt)]))
+        for name in NAMES:  # the forward writes each layer, then saves it
+            for blk in src:
+                t = block_of(a_caches[name], blk)
+                t.copy_(torch.randn(t.shape, generator=gen).to(torch.float16))
+            a.save_kv_layer(name, a_caches[name], None)
+        at_save = {blk: kvtier_view(a_caches, blk).clone() for blk in src}
+        for name in NAMES:  # changed after every layer was saved
+            for blk in src:
+                block_of(a_caches[name], blk).fill_(1.0)
+        a.wait_for_save()
+        a.flush()
+        b.bind_connector_metadata(KvtierConnectorMetadata(loads=[LoadSpec("y", keys.packed, dst, salt)]))
+        b.start_load_kv(None)  # type: ignore[arg-type]
+        b.wait_for_save()
+        assert b.get_block_ids_with_load_errors() == set()
+        for i, (s_, d) in enumerate(zip(src, dst)):
+            want = at_save[s_] if i < 4 else kvtier_view(a_caches, s_)
+            assert torch.equal(kvtier_view(b_caches, d).view(torch.int16), want.view(torch.int16)), i
+        assert len(a._free) == 4, "every staging slot came back"
+    finally:
+        a.shutdown()
+        b.shutdown()
+
 def test_blocks_kvtier_no_longer_holds_are_published_as_removed(sidecar: Sidecar, model_dir: str) -> None:
     """Blocks announced as BlockStored that a later request's Match no longer finds (here: the
     sidecar cleared by another client) are published once as BlockRemoved (medium KVTIER), and

@@ -31,8 +31,11 @@ through a shared-memory staging pool (``staging_slots`` blocks) that torch copie
 and out of. :meth:`~KvtierConnector.start_load_kv` opens
 one ``Load`` per request (layer events); :meth:`~KvtierConnector.wait_for_layer_load` waits for
 the layer's ``LayerReady`` (and copies that layer out of the staging slots);
-:meth:`~KvtierConnector.wait_for_save` sends one ``Store`` per saved run on a background thread
-(through staging, after copying the blocks into staging slots, freed when it returns).
+:meth:`~KvtierConnector.save_kv_layer` (through staging) copies each layer of the step's saved
+blocks into staging slots as vLLM writes it (CUDA KV: on a copy stream into the pinned pool,
+while the next layers compute), and :meth:`~KvtierConnector.wait_for_save` sends one ``Store``
+per saved run on a background thread (in place: straight from vLLM's blocks; through staging:
+from the slots, freed when it returns).
 In place, a finished request whose blocks were saved keeps them (``request_finished`` answers
 True) until :meth:`~KvtierConnector.get_finished` reports its stores done, and
 :meth:`~KvtierConnector.handle_preemptions` lets a preempted request's stores finish before
@@ -300,6 +303,17 @@ def _group_runs(block_ids: tuple[list[int], ...] | list[list[int]], first: int, 
     return [[*g[first:last], *[NULL_BLOCK] * (last - first - len(g[first:last]))] for g in block_ids]
 
 
+def _slot_runs(slots: list[int]) -> list[tuple[int, int]]:
+    """``slots`` as (first slot, count) runs of consecutive slots."""
+    runs: list[tuple[int, int]] = []
+    for s in slots:
+        if runs and runs[-1][0] + runs[-1][1] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((s, 1))
+    return runs
+
+
 def _flag(value: Any, name: str) -> bool:
     """A boolean ``kv_connector_extra_config`` value (JSON true/false, or the words)."""
     if isinstance(value, bool):
@@ -329,6 +343,19 @@ class _Fetched:
     failed: set[int]
     copy_slots: list[int] = field(default_factory=list)
     copy_blocks: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class _StagedSave:
+    """The part of a step's save that got staging ``slots`` when the step's first layer was
+    saved: its blocks (per KV cache group) are copied in layer by layer as vLLM writes them
+    (``save_kv_layer``; ``copied``: the layers in), and stored once the step's layers are."""
+
+    keys: BlockKeys
+    parent: int | None
+    slots: list[int]
+    block_ids: list[list[int]]
+    copied: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -397,6 +424,15 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         # worker side
         self._kv_caches: list[torch.Tensor] = []
         self._staging: torch.Tensor | None = None
+        #: CUDA KV through staging: the stream that copies saved layers out while the forward
+        #: goes on, and whether the staging pool is pinned (else those copies wait).
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._pinned = False
+        #: This step's saves copied in per layer (one entry per ``meta.saves``, None where no
+        #: slot was free), planned for the metadata ``_planned_for``.
+        self._planned: list[_StagedSave | None] = []
+        self._planned_for: KVConnectorMetadata | None = None
+        self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
         self._free: deque[int] = deque()
         self._slot_lock = threading.Condition()
         self._active_loads: list[_ActiveLoad] = []
@@ -453,6 +489,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._session.close()
             self._session = None
         if self._pool is not None:
+            if self._pinned and self._staging is not None:
+                torch.cuda.cudart().cudaHostUnregister(self._staging.data_ptr())
+                self._pinned = False
             self._staging = None
             self._pool.close()
             self._pool = None
@@ -702,6 +741,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                     .view(g.layers, self._staging_slots, 2, g.block_tokens, g.kv_heads, g.head_dim)
                 )
                 self._free = deque(range(self._staging_slots))
+                if caches[0].is_cuda:
+                    self._pin_staging(caches[0].device)
         except BaseException:
             self._session.close()
             self._session = None
@@ -709,6 +750,19 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-store")
         if self._load_async:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+
+    def _pin_staging(self, device: torch.device) -> None:
+        """For CUDA KV through staging: a copy stream, and the staging pool registered with the
+        driver (page-locked), so saved layers go out by DMA while the forward goes on."""
+        assert self._staging is not None
+        self._copy_stream = torch.cuda.Stream(device=device)
+        cudart = torch.cuda.cudart()
+        try:
+            torch.cuda.check_error(cudart.cudaHostRegister(
+                self._staging.data_ptr(), self._staging.numel() * self._staging.element_size(), 0))
+            self._pinned = True
+        except RuntimeError as e:
+            logger.warning("kvtier: the staging pool could not be pinned (%s); copies to it wait for the GPU", e)
 
     # --- staging slots ---------------------------------------------------------------------
 
@@ -729,14 +783,35 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _copy_in(self, block_ids: list[list[int]], slots: list[int]) -> None:
         """vLLM blocks (``block_ids`` per KV cache group, each layer from its group's) → staging
-        slots."""
-        assert self._staging is not None
-        idx = [torch.tensor(g, dtype=torch.long) for g in block_ids]
-        sl = torch.tensor(slots, dtype=torch.long)
+        slots, every layer; done when it returns."""
         for layer in range(self._geometry.layers):
-            kv = self._kv_caches[layer]
-            src = blocks_to_kvtier(kv, idx[self._layer_groups[layer]].to(kv.device), self._geometry.head_dim)
-            self._staging[layer].index_copy_(0, sl, src.cpu())
+            self._copy_layer_in(layer, block_ids, slots)
+        self._copies_done()
+
+    def _copy_layer_in(self, layer: int, block_ids: list[list[int]], slots: list[int]) -> None:
+        """One layer of vLLM blocks → staging slots. CPU KV: done when it returns. CUDA KV: the
+        gather and the copy out run on the copy stream after the work queued so far (the
+        layer's attention), asynchronously where the pool is pinned; :meth:`_copies_done`
+        waits for them."""
+        assert self._staging is not None
+        kv = self._kv_caches[layer]
+        idx = torch.tensor(block_ids[self._layer_groups[layer]], dtype=torch.long, device=kv.device)
+        if self._copy_stream is None:
+            src = blocks_to_kvtier(kv, idx, self._geometry.head_dim)
+            self._staging[layer].index_copy_(0, torch.tensor(slots, dtype=torch.long), src.cpu())
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream(kv.device))
+        with torch.cuda.stream(self._copy_stream):
+            src = blocks_to_kvtier(kv, idx, self._geometry.head_dim).contiguous()
+            start = 0
+            for s0, n in _slot_runs(slots):
+                self._staging[layer, s0 : s0 + n].copy_(src[start : start + n], non_blocking=self._pinned)
+                start += n
+
+    def _copies_done(self) -> None:
+        """Waits for the copies :meth:`_copy_layer_in` queued on the copy stream."""
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
 
     def _copy_out(self, slots: list[int], block_ids: list[list[int]], layers: range) -> None:
         """Staging slots → vLLM blocks (``block_ids`` per KV cache group; each layer into its
@@ -888,11 +963,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         pool, copies the layer into vLLM's blocks)."""
         if not self._active_loads:
             return
-        try:
-            layer = self._layer_names.index(layer_name)
-        except ValueError:
-            return
-        self._advance_loads(layer)
+        layer = self._layer_index.get(layer_name)
+        if layer is not None:
+            self._advance_loads(layer)
 
     def _read_event(self, a: _ActiveLoad) -> bool:
         """Reads the next event of ``a``'s load into its state; False when its stream has no
@@ -955,16 +1028,51 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     # --- saves -----------------------------------------------------------------------------
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Nothing per layer: the step's saves are copied once every layer is written
-        (:meth:`wait_for_save`)."""
-        return
+        """Through staging: copies this layer of the step's saved blocks into their staging
+        slots now, as vLLM has just written it (CUDA KV: on a copy stream that waits for the
+        layer, so the next layers compute while it goes out); :meth:`wait_for_save` stores them
+        once every layer is in. In place: nothing (stores read vLLM's blocks after the step)."""
+        layer = self._layer_index.get(layer_name)
+        if layer is None or self._in_place:
+            return
+        for p in self._layer_saves():
+            if p is not None and layer not in p.copied:
+                self._copy_layer_in(layer, p.block_ids, p.slots)
+                p.copied.add(layer)
+
+    def _save_keys(self, spec: SaveSpec) -> tuple[BlockKeys, int | None]:
+        """A save's keys and parent in this rank's namespace."""
+        keys = self._worker_keys(spec.keys, spec.token_ids, spec.first_block, spec.cache_salt)
+        parent = spec.parent
+        if self._tp_rank != 0 and spec.first_block and spec.token_ids is not None:
+            parent = self._worker_keys(b"\0" * 16, spec.token_ids, spec.first_block - 1, spec.cache_salt)[0]
+        return keys, parent
+
+    def _layer_saves(self) -> list[_StagedSave | None]:
+        """This step's saves through staging that are copied in per layer: planned at the
+        step's first saved layer, each with the staging slots free then (none is waited for;
+        blocks past them are copied and stored by :meth:`wait_for_save`)."""
+        if self._in_place or not self.has_connector_metadata():
+            return []
+        meta = self._get_connector_metadata()
+        if self._planned_for is meta:
+            return self._planned
+        assert isinstance(meta, KvtierConnectorMetadata)
+        self._planned_for, self._planned = meta, []
+        for spec in meta.saves:
+            keys, parent = self._save_keys(spec)
+            with self._slot_lock:
+                slots = [self._free.popleft() for _ in range(min(len(keys), len(self._free)))]
+            n = len(slots)
+            self._planned.append(_StagedSave(keys[:n], parent, slots, [g[:n] for g in spec.by_group()]) if n else None)
+        return self._planned
 
     def wait_for_save(self) -> None:
         """Finishes this step's loads, then queues one ``Store`` per saved run on a background
         thread: straight from vLLM's blocks when its KV is registered in place (after the
         step's GPU work is done; the request's blocks stay vLLM's until ``get_finished``
-        reports it), else from staging slots the blocks are copied into first (vLLM may reuse
-        its blocks when this returns)."""
+        reports it), else from the staging slots the blocks were copied into (per layer by
+        :meth:`save_kv_layer`, the rest now; vLLM may reuse its blocks when this returns)."""
         self._finish_loads()
         if not self.has_connector_metadata():
             return
@@ -976,16 +1084,24 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._in_place and meta.saves and self._kv_caches[0].is_cuda:
             computed = torch.cuda.Event()
             computed.record()
-        for spec in meta.saves:
-            keys = self._worker_keys(spec.keys, spec.token_ids, spec.first_block, spec.cache_salt)
-            parent = spec.parent
-            if self._tp_rank != 0 and spec.first_block and spec.token_ids is not None:
-                parent = self._worker_keys(b"\0" * 16, spec.token_ids, spec.first_block - 1, spec.cache_salt)[0]
+        planned = self._layer_saves()
+        for p in planned:  # layers vLLM did not save one by one
+            for layer in range(self._geometry.layers):
+                if p is not None and layer not in p.copied:
+                    self._copy_layer_in(layer, p.block_ids, p.slots)
+        self._copies_done()
+        self._planned_for, self._planned = None, []
+        for i, spec in enumerate(meta.saves):
+            keys, parent = self._save_keys(spec)
             if self._in_place:
                 self._submit_store(spec.req_id, session, handle, keys, list(spec.block_ids), parent,
                                    spec.cache_salt, computed)
                 continue
             done = 0
+            p = planned[i] if i < len(planned) else None
+            if p is not None:
+                self._submit_store(spec.req_id, session, handle, p.keys, p.slots, parent, spec.cache_salt, None)
+                parent, done = p.keys[-1], len(p.slots)
             by_group = spec.by_group()
             while done < len(keys):
                 slots = self._take_slots(len(keys) - done)
