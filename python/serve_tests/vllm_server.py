@@ -101,21 +101,32 @@ class VllmServer:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def cpu_binding(tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` CPU workers: this process's cores split in `tp`
+    runs (vLLM binds each worker's threads to one NUMA node otherwise, and this machine has one)."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // tp)
+    runs = [cores[i * per : (i + 1) * per] or cores[-1:] for i in range(tp)]
+    return "|".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
 def start_vllm(model_dir: Path, port: int, log_path: Path, sidecar: str, block_tokens: int,
-               timeout_s: float = 600, **extra_config: Any) -> VllmServer:
-    """Starts vLLM's OpenAI server on `model_dir` with kvtier (`sidecar`, and the connector's
-    `extra_config`) as its KV connector and returns once /health answers; raises with the log's
-    tail if it exits or times out."""
+               timeout_s: float = 600, tp: int = 1, **extra_config: Any) -> VllmServer:
+    """Starts vLLM's OpenAI server on `model_dir` (tensor parallel over `tp` CPU workers) with
+    kvtier (`sidecar`, and the connector's `extra_config`) as its KV connector and returns once
+    /health answers; raises with the log's tail if it exits or times out."""
     connector = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
                  "kv_role": "kv_both", "kv_connector_extra_config": {"sidecar": sidecar, **extra_config}}
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get(
         "VLLM_CPU_KVCACHE_SPACE", "2"), "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")}
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tp)
     log = log_path.open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
          "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
          "--block-size", str(block_tokens), "--max-model-len", "8192", "--dtype", "bfloat16",
-         "--enforce-eager", "--enable-prompt-tokens-details",
+         "--enforce-eager", "--enable-prompt-tokens-details", "--tensor-parallel-size", str(tp),
          "--kv-transfer-config", json.dumps(connector)],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = VllmServer(proc, port, log_path, "tiny")
