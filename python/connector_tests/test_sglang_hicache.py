@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from sidecar import Sidecar, start_sidecar  # noqa: E402
 
 from kvtier.integrations.sglang import KvtierHiCacheStorage  # noqa: E402
+from kvtier.session import wait_for  # noqa: E402
 
 LAYERS, HEADS, DIM, PAGE = 4, 2, 64, 16
 GEOMETRY = ("--set", f"model.layers={LAYERS}", "--set", f"model.kv_heads={HEADS}", "--set", f"model.head_dim={DIM}",
@@ -147,3 +148,38 @@ def test_a_geometry_the_sidecar_does_not_serve_is_refused(sidecar: Sidecar) -> N
     host = MHATokenToKVPoolHost(device, 2.0, 0, PAGE, "layer_first", pin_memory=False, device="cpu")
     with pytest.raises(Exception, match="model.\\* settings"):
         backend(sidecar, host)
+
+
+def test_a_restarted_sidecar_is_reconnected_and_sglang_computes_meanwhile(tmp_path: Path) -> None:
+    """The sidecar killed under SGLang's cache controller: lookups find nothing and stores and
+    loads fail page by page (SGLang computes), nothing raises; a new sidecar on the same
+    socket: the backend reopens its session on its own thread, registers its staging pool
+    again, and pages move bit-exact again."""
+    first = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
+    host = host_pool("layer_first")
+    b = backend(first, host, reconnect_interval_s=0.01)
+    second: Sidecar | None = None
+    try:
+        gen = torch.Generator().manual_seed(3)
+        host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=gen).to(torch.bfloat16))
+        keys = hashes(torch.randint(0, 50_000, (4 * PAGE,), generator=gen).tolist())
+        assert b.batch_set_v1(keys, indices(0, 4)) == [True] * 4
+        first.process.kill()
+        first.process.wait()
+        assert wait_for(lambda: b._session is not None and b._session.closed)
+        assert b.batch_exists(keys) == 0
+        assert b.batch_get_v1(keys, indices(8, 4)) == [False] * 4
+        assert b.batch_set_v1(keys, indices(0, 4)) == [False] * 4
+        second = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
+        assert wait_for(b._session_ok, timeout=30)
+        assert b.batch_exists(keys) == 0, "the new sidecar holds nothing yet"
+        want = [page(host, i * PAGE).clone() for i in range(4)]
+        assert b.batch_set_v1(keys, indices(0, 4)) == [True] * 4
+        assert b.batch_get_v1(keys, indices(8, 4)) == [True] * 4
+        for i in range(4):
+            assert torch.equal(page(host, (8 + i) * PAGE).view(torch.int16), want[i].view(torch.int16)), i
+    finally:
+        b.close()
+        first.stop()
+        if second is not None:
+            second.stop()

@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from sidecar import Sidecar, start_sidecar  # noqa: E402
 
 import kvtier  # noqa: E402
+from kvtier.session import wait_for  # noqa: E402
 from kvtier.integrations.vllm import (  # noqa: E402
     NULL_BLOCK,
     KvtierConnector,
@@ -908,3 +909,44 @@ def test_hybrid_layers_keep_the_models_order_and_other_shapes_are_refused_by_nam
                         kv_cache_groups=[KVCacheGroupSpec(FULL_NAMES, full), KVCacheGroupSpec(WINDOW_NAMES, wider)])
     with pytest.raises(ValueError, match=r"KV cache group 1 \(SlidingWindowSpec\) has .*kv_heads=4"):
         kv_geometry(kcc)
+
+
+
+def test_a_restarted_sidecar_is_reconnected_and_vllm_computes_meanwhile(model_dir: str, tmp_path: Path) -> None:
+    """The sidecar killed under a running engine: vLLM keeps serving (nothing matched, saves
+    skipped); a new sidecar on the same socket: both sides reopen their sessions and register
+    their pools again, the blocks announced before are published as removed, and prefixes
+    stored from then on load bit-exact."""
+    first = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
+    config = vllm_config(first, model_dir, staging_slots=8, reconnect_interval_s=0.01)
+    second: Sidecar | None = None
+    try:
+        with engine(config, 31) as (s, w, caches, gen, written):
+            prompt, _ = store_prefix(s, w, caches, gen, written)
+            first.process.kill()
+            first.process.wait()
+            assert wait_for(lambda: w._session.closed and s.connector._session.closed)
+            s.add_request(request("b", prompt + [9] * 3))
+            outs = run_to_end(s, w, caches, gen, written)
+            assert outs[0].scheduled_new_reqs[0].num_computed_tokens == 0, "computed while the sidecar is away"
+            assert not any(o.kv_connector_metadata.loads for o in outs)
+
+            second = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
+            # Each side reopens on a thread of its own and takes the new session at a later call.
+            assert wait_for(lambda: s.connector._session_ok() and w._session_ok(), timeout=30)
+            s.reset_prefix_cache()
+            prompt_c, stored_kv = store_prefix(s, w, caches, gen, written)
+            removed = [h for batch in s.published for e in batch.events if isinstance(e, BlockRemoved)
+                       for h in e.block_hashes]
+            keys = kvtier.Namespace("test/tiny-llama", kvtier.Geometry(LAYERS, HEADS, DIM, "f16", BLOCK)).keys(prompt)
+            assert set(keys) <= set(removed), "the blocks announced before the restart are published as removed"
+            for t in caches.values():
+                t.zero_()
+            s.add_request(request("d", prompt_c[: 3 * BLOCK] + [11] * 5))
+            out = step(s, w, caches, gen, written)
+            assert_scheduled_loaded(out, "d", 3, caches, stored_kv)
+            run_to_end(s, w, caches, gen, written)
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()

@@ -16,7 +16,10 @@ One scenario per model, in order, on one sidecar:
 5. vLLM is stopped and a new vLLM process started on the same sidecar (an engine restart, or a
    second engine on the node), and P again: from kvtier (`kvtier_restart`);
 6. the same with the connector's `load_async`: the request waits in vLLM's
-   WAITING_FOR_REMOTE_KVS while its blocks load, and the engine's steps go on (`kvtier_async`).
+   WAITING_FOR_REMOTE_KVS while its blocks load, and the engine's steps go on (`kvtier_async`);
+7. (dense model) the sidecar is killed under the running vLLM, which serves a new prompt Q
+   all the same; a new sidecar is started on the same socket, and without any restart of vLLM
+   Q is stored and then found in kvtier again.
 
 A prefix loaded from kvtier must give the tokens and the top-5 log-probabilities, to the last
 bit vLLM prints, that vLLM's own cached prefix gives: both compute the same last block over
@@ -76,6 +79,8 @@ class Scenario:
 
     runs: dict[str, Completion] = field(default_factory=dict)
     loaded_blocks: int = 0
+    #: Requests for Q after the sidecar restart until one was a kvtier hit.
+    reopen_requests: int = 0
     sidecar_log: list[str] = field(default_factory=list)
 
 
@@ -128,6 +133,8 @@ def scenario(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         server.complete(warm, MAX_TOKENS)
         out.runs["kvtier_async"] = server.complete(p, MAX_TOKENS)
         out.loaded_blocks = loaded_blocks(sidecar.target)
+        if request.param == "dense":
+            sidecar = restart_sidecar(sidecar, server, v, out)
         print_table(request.param, out)
         yield out
     except Exception:
@@ -138,6 +145,29 @@ def scenario(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         if server is not None:
             server.stop()
         sidecar.stop()
+
+
+def restart_sidecar(sidecar: Sidecar, server: VllmServer, v: Variant, out: Scenario) -> Sidecar:
+    """The sidecar killed under the running vLLM: a request is served all the same (computed);
+    a new sidecar on the same socket: the connector reopens its sessions by itself, and a
+    prompt stored from then on comes back from kvtier, decoding as vLLM's own cache."""
+    sidecar.process.kill()
+    sidecar.process.wait()
+    q = prompt(3, WARMUP_TOKENS)
+    out.runs["sidecar_away"] = server.complete(q, MAX_TOKENS)
+    sidecar = start_sidecar(sidecar.dir, host_capacity="1GiB", geometry=v.geometry())
+    # The first requests after the restart start the reconnection (both sides, each on a thread
+    # of its own) and are computed; once both are back, the prompt is stored, then found.
+    deadline = time.monotonic() + 120
+    hit = (WARMUP_TOKENS - 1) // BLOCK * BLOCK
+    while (r := server.complete(q, MAX_TOKENS)).cached_tokens != hit:
+        assert time.monotonic() < deadline, f"no kvtier hit after the sidecar restarted ({r.cached_tokens} cached)"
+        out.reopen_requests += 1
+        server.reset_prefix_cache()
+    out.reopen_requests += 1
+    out.runs["kvtier_reopened"] = r
+    out.runs["reopened_vllm_cache"] = server.complete(q, MAX_TOKENS)
+    return sidecar
 
 
 def print_table(name: str, s: Scenario) -> None:
@@ -152,6 +182,11 @@ def print_table(name: str, s: Scenario) -> None:
     for name in ("recompute", "kvtier_host", "vllm_cache", "kvtier_restart", "kvtier_async"):
         r = s.runs[name]
         print(f"{name:<16}{1:>6}{r.ttft_ms:>15.1f}{r.cached_tokens:>16}{base / r.ttft_ms:>13.2f}x")
+    if s.reopen_requests:
+        away, back = s.runs["sidecar_away"], s.runs["kvtier_reopened"]
+        print(f"sidecar killed: a {WARMUP_TOKENS}-token prompt served meanwhile in {away.ttft_ms:.1f} ms (computed); "
+              f"new sidecar: a kvtier hit again at request {s.reopen_requests} ({back.ttft_ms:.1f} ms, "
+              f"{back.cached_tokens} cached)")
 
 
 def full_prefix() -> int:
@@ -173,6 +208,15 @@ def test_loaded_prefix_decodes_as_vllms_own(scenario: Scenario) -> None:
     for name in ("kvtier_host", "kvtier_restart", "kvtier_async"):
         r = scenario.runs[name]
         assert (r.tokens, r.top_logprobs) == (own.tokens, own.top_logprobs), name
+
+
+def test_a_restarted_sidecar_is_picked_up_again(scenario: Scenario) -> None:
+    if "kvtier_reopened" not in scenario.runs:
+        pytest.skip("the sidecar is restarted under the dense model only")
+    assert scenario.runs["sidecar_away"].cached_tokens == 0
+    assert len(scenario.runs["sidecar_away"].tokens) == MAX_TOKENS, "served while the sidecar was away"
+    r, own = scenario.runs["kvtier_reopened"], scenario.runs["reopened_vllm_cache"]
+    assert (r.tokens, r.top_logprobs) == (own.tokens, own.top_logprobs)
 
 
 def test_control_prompt_decodes_differently(scenario: Scenario) -> None:

@@ -24,7 +24,8 @@ geometry and the tensor-parallel rank/size SGLang gives, so ranks and models nev
 
 extra_config keys: ``sidecar`` (a target as :func:`kvtier.connect` takes; default the
 sidecar's default socket), ``auth_token``, ``staging_slots``, ``cache_salt``, ``model_name``
-(default SGLang's), ``client_name``.
+(default SGLang's), ``client_name``, ``reconnect_interval_s`` (default 2: how often a session
+the sidecar ended, by a restart, is tried again; SGLang computes meanwhile).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from ..keys import BlockKeys
 from ..pool import CpuPool
 from ..results import PoolHandle
 from ..session import Session
-from .staging import open_staging
+from .reopen import REOPEN_CONNECT_TIMEOUT_S, Reopener
+from .staging import open_session, open_staging
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
@@ -82,6 +84,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self._handle: PoolHandle | None = None
         # SGLang's prefetch and backup threads call in concurrently; the staging pool is one.
         self._lock = threading.Lock()
+        self._session_lock = threading.Lock()  # guards the swap to a reopened session
+        self._reopener = Reopener(self._reopen, float(extra.get("reconnect_interval_s", 2.0)), "SGLang")
         self.mem_pool_host: Any = None
 
     # --- setup -----------------------------------------------------------------------------
@@ -108,6 +112,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         """Closes the session (the sidecar unregisters the staging pool) and removes the pool file."""
+        self._reopener.shutdown(lambda made: made[0].close())
         if self._session is not None:
             self._session.close()
             self._session = None
@@ -119,6 +124,34 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if self._session is None or self._pool is None or self._handle is None:
             raise KvtierError("kvtier: no host pool registered yet (register_mem_pool_host)")
         return self._session, self._pool, self._handle
+
+    def _session_ok(self) -> bool:
+        """Whether the session is open. When it has ended (the sidecar restarted, or dropped
+        it), it is reopened in the background with the staging pool registered again (one try
+        per ``reconnect_interval_s``) and put in place by a later call; meanwhile no page is
+        found, loaded or stored, and SGLang computes."""
+        with self._session_lock:
+            if self._session is None or not self._session.closed:
+                return self._session is not None
+            made = self._reopener.poll()
+            if made is None:
+                return False
+            old, (self._session, self._handle) = self._session, made
+            old.close()
+            return True
+
+    def _reopen(self) -> tuple[Session, PoolHandle]:
+        """A new session with the staging pool registered again (on the reopen thread)."""
+        assert self._pool is not None
+        session = open_session(self._target, self._client_name, auth_token=self._auth_token,
+                               geometry=self._pool.geometry, engine_kv="SGLang's host pool",
+                               connect_timeout=REOPEN_CONNECT_TIMEOUT_S)
+        try:
+            return session, session.register_pool(self._pool, self._model, tp_rank=self.config.tp_rank,
+                                                  tp_size=self.config.tp_size)
+        except BaseException:
+            session.close()
+            raise
 
     # --- page copies between SGLang's host pool and the staging slots ----------------------
 
@@ -150,14 +183,19 @@ class KvtierHiCacheStorage(HiCacheStorage):
     def _load_leading(self, keys: list[str], put: Any) -> None:
         """Loads ``keys`` one staging batch (one Load) at a time and calls ``put(i, slot)``
         for each page ``i`` in order with its staging slot as a torch view, stopping at the
-        first page kvtier does not hold."""
+        first page kvtier does not hold (or at once while the sidecar is away)."""
+        if not self._session_ok():
+            return
         session, pool, handle = self._ready()
         with self._lock:
             for start in range(0, len(keys), self._staging_slots):
                 run = keys[start : start + self._staging_slots]
-                done = session.load_wait(
-                    handle, BlockKeys.from_ints(page_key(k) for k in run), range(len(run)), cache_salt=self._salt
-                )
+                try:
+                    done = session.load_wait(
+                        handle, BlockKeys.from_ints(page_key(k) for k in run), range(len(run)), cache_salt=self._salt
+                    )
+                except KvtierError:
+                    return
                 missing = set(done.missing)
                 for j, k in enumerate(run):
                     if page_key(k) in missing:
@@ -167,11 +205,15 @@ class KvtierHiCacheStorage(HiCacheStorage):
     # --- the page interface (interface_v1) -------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """How many leading pages of ``keys`` kvtier holds (host or disk)."""
-        session, _, handle = self._ready()
-        if not keys:
+        """How many leading pages of ``keys`` kvtier holds (host or disk); 0 while the sidecar
+        is away."""
+        if not keys or not self._session_ok():
             return 0
-        m = session.match(handle, BlockKeys.from_ints(page_key(k) for k in keys), cache_salt=self._salt)
+        session, _, handle = self._ready()
+        try:
+            m = session.match(handle, BlockKeys.from_ints(page_key(k) for k in keys), cache_salt=self._salt)
+        except KvtierError:
+            return 0
         return m.matched_blocks
 
     def batch_get_v1(
@@ -195,10 +237,12 @@ class KvtierHiCacheStorage(HiCacheStorage):
     ) -> list[bool]:
         """Stores the host pool's pages at ``host_indices`` under ``keys`` (one run of one
         sequence); one Store per staging batch. A page kvtier refused (no host room, queue
-        full) is False."""
-        session, pool, handle = self._ready()
+        full) is False; every page while the sidecar is away."""
         p = self.mem_pool_host.page_size
         out = [False] * len(keys)
+        if not self._session_ok():
+            return out
+        session, pool, handle = self._ready()
         prefix = extra_info.prefix_keys if extra_info is not None and extra_info.prefix_keys else None
         parent = page_key(prefix[-1]) if prefix else None
         with self._lock:
@@ -256,6 +300,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
     ) -> bool:
         """Stores flat pages ``values`` under ``keys``; True when kvtier took every one."""
+        if not self._session_ok():
+            return False
         session, pool, handle = self._ready()
         with self._lock:
             for start in range(0, len(keys), self._staging_slots):

@@ -13,10 +13,12 @@ from ..session import Session
 
 
 def open_session(target: str | None, client_name: str, *, auth_token: str | None, geometry: Geometry,
-                 engine_kv: str, watch_removals: bool = False) -> Session:
-    """Opens a session on the sidecar at ``target`` and checks that it serves ``geometry`` (the
-    engine's KV shape, named ``engine_kv`` in the error); closed again when it does not."""
-    session = connect(target, client_name, auth_token=auth_token, watch_removals=watch_removals)
+                 engine_kv: str, watch_removals: bool = False, connect_timeout: float = 10.0) -> Session:
+    """Opens a session on the sidecar at ``target`` (waiting at most ``connect_timeout`` seconds
+    to reach it) and checks that it serves ``geometry`` (the engine's KV shape, named
+    ``engine_kv`` in the error); closed again when it does not."""
+    session = connect(target, client_name, auth_token=auth_token, watch_removals=watch_removals,
+                      connect_timeout=connect_timeout)
     if session.geometry != geometry:
         session.close()
         raise KvtierError(
@@ -50,10 +52,11 @@ def open_staging(
     tp_size: int,
     engine_kv: str,
     watch_removals: bool = False,
+    connect_timeout: float = 10.0,
 ) -> tuple[Session, CpuPool, PoolHandle]:
     """:func:`open_session` and :func:`add_staging_pool`. Nothing is left open when it fails."""
     session = open_session(target, client_name, auth_token=auth_token, geometry=geometry, engine_kv=engine_kv,
-                           watch_removals=watch_removals)
+                           watch_removals=watch_removals, connect_timeout=connect_timeout)
     try:
         pool, handle = add_staging_pool(session, slots=slots, model=model, tp_rank=tp_rank, tp_size=tp_size)
     except BaseException:

@@ -70,8 +70,11 @@ matched blocks load in the background while the request waits in vLLM's
 :meth:`~KvtierConnector.get_finished` reports each load done, with the blocks it could not bring
 as load errors. In place they land straight in vLLM's blocks; through staging they land in
 staging slots taken when the load starts (blocks beyond the free slots are reported as load
-errors, for vLLM to recompute) and are copied into vLLM's blocks by ``get_finished``), ``staging_slots`` (default 256), ``model_name`` (default vLLM's served model
-name), ``cache_salt`` (for requests without one), ``client_name``.
+errors, for vLLM to recompute) and are copied into vLLM's blocks by ``get_finished``),
+``staging_slots`` (default 256), ``model_name`` (default vLLM's served model name),
+``cache_salt`` (for requests without one), ``client_name``, ``reconnect_interval_s`` (default
+2: when the sidecar ends a session, by a restart, each side reopens it in the background and
+registers its pool again, one try per interval; vLLM computes meanwhile).
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ from ..pool import CpuPool
 from ..results import BlocksMissing, LayerReady, LoadDone, PoolHandle
 from ..session import LoadStream, Session
 from .in_place import NotInPlace, register_in_place
+from .reopen import REOPEN_CONNECT_TIMEOUT_S, Reopener
 from .staging import add_staging_pool, open_session, open_staging
 
 if TYPE_CHECKING:
@@ -303,6 +307,13 @@ def _group_runs(block_ids: tuple[list[int], ...] | list[list[int]], first: int, 
     return [[*g[first:last], *[NULL_BLOCK] * (last - first - len(g[first:last]))] for g in block_ids]
 
 
+def _discard(made: tuple[Session, CpuPool | None, PoolHandle]) -> None:
+    """Closes a reopened session (and pool) that came too late to be used."""
+    made[0].close()
+    if made[1] is not None:
+        made[1].close()
+
+
 def _slot_runs(slots: list[int]) -> list[tuple[int, int]]:
     """``slots`` as (first slot, count) runs of consecutive slots."""
     runs: list[tuple[int, int]] = []
@@ -385,6 +396,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._kv_path not in ("auto", "in_place", "staging"):
             raise ValueError(f"kv_path = {self._kv_path!r}: give auto, in_place or staging")
         self._load_async = _flag(extra.get("load_async", False), "load_async")
+        self._reopener = Reopener(self._reopen, float(extra.get("reconnect_interval_s", 2.0)),
+                                  f"vLLM {role.name.lower()}", retry_on=(NotInPlace,))
         mc = vllm_config.model_config
         self._model = str(extra.get("model_name") or getattr(mc, "served_model_name", None) or mc.model)
         self._salt = str(extra.get("cache_salt", ""))
@@ -449,10 +462,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._delayed: set[str] = set()        # finished requests whose free waits on stores
         self._stored_keys: list[int] = []
         self._executor: ThreadPoolExecutor | None = None
+        self._client_name = name
         if role == KVConnectorRole.SCHEDULER:
             self._open(name, 1)
-        else:
-            self._client_name = name
 
     # --- session and pools -----------------------------------------------------------------
 
@@ -467,6 +479,55 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._session is None or self._handle is None:
             raise KvtierError("kvtier: no session yet (register_kv_caches)")
         return self._session, self._handle
+
+    def _session_ok(self) -> bool:
+        """Whether the session is open. When it has ended (the sidecar restarted, or dropped
+        it), it is reopened in the background with this side's pool registered again
+        (:class:`~kvtier.integrations.reopen.Reopener`, one try per ``reconnect_interval_s``)
+        and put in place by a later call: the engine's loop never waits for the sidecar. While
+        it is down, vLLM computes requests, saves are skipped and loads fail (their blocks are
+        recomputed)."""
+        if self._session is None or not self._session.closed:
+            return self._session is not None
+        made = self._reopener.poll()
+        if made is None:
+            return False
+        session, pool, handle = made
+        old, self._session, self._handle = self._session, session, handle
+        old.close()
+        if pool is not None:  # the scheduler's one-slot pool is made anew
+            if self._pool is not None:
+                self._pool.close()
+            self._pool = pool
+        if self._role == KVConnectorRole.SCHEDULER:
+            # What the sidecar holds now is unknown: the blocks announced are reported removed
+            # (a later store announces them again).
+            self._announce_removed(list(self._announced))
+        return True
+
+    def _reopen(self) -> tuple[Session, CpuPool | None, PoolHandle]:
+        """A new session with this side's pool registered as before (on the reconnect thread;
+        reads the connector's registration, changes nothing): the scheduler's one-slot pool
+        made anew; vLLM's KV in place, or the same staging pool."""
+        if self._role == KVConnectorRole.SCHEDULER:
+            return open_staging(
+                self._target, self._client_name, auth_token=self._auth_token, geometry=self._geometry, slots=1,
+                model=self._model, tp_rank=self._tp_rank, tp_size=self._tp_size, engine_kv="vLLM's KV cache",
+                watch_removals=True, connect_timeout=REOPEN_CONNECT_TIMEOUT_S)
+        session = open_session(self._target, self._client_name, auth_token=self._auth_token,
+                               geometry=self._geometry, engine_kv="vLLM's KV cache",
+                               connect_timeout=REOPEN_CONNECT_TIMEOUT_S)
+        try:
+            if self._in_place:
+                handle = register_in_place(session, [kv_planes(t, self._geometry.head_dim) for t in self._kv_caches],
+                                           self._model, tp_rank=self._tp_rank, tp_size=self._tp_size)
+            else:
+                assert self._pool is not None
+                handle = session.register_pool(self._pool, self._model, tp_rank=self._tp_rank, tp_size=self._tp_size)
+        except BaseException:
+            session.close()
+            raise
+        return session, None, handle
 
     def shutdown(self) -> None:
         """Waits for the stores in flight, closes the session (the sidecar unregisters the
@@ -485,6 +546,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             if a.stream is not None:
                 a.stream.cancel()
         self._active_loads = []
+        self._reopener.shutdown(_discard)
         if self._session is not None:
             self._session.close()
             self._session = None
@@ -523,6 +585,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvtier holds beyond ``num_computed_tokens``: one ``Match`` by the request's
         block keys, the leading run found, capped to leave the last token to compute."""
+        if not self._session_ok():
+            self._matched[request.request_id] = (0, num_computed_tokens)
+            return 0, False
         session, handle = self._ready()
         salt = self._salt_of(request)
         full = (request.num_tokens - 1) // self._block_size
@@ -840,6 +905,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         the free staging slots are then loaded first, whole, in runs)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
+        self._session_ok()  # else the loads fail, and their blocks are recomputed
         session, handle = self._ready()
         self._finish_loads()
         loads: list[tuple[LoadSpec, BlockKeys]] = []
@@ -1052,7 +1118,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         """This step's saves through staging that are copied in per layer: planned at the
         step's first saved layer, each with the staging slots free then (none is waited for;
         blocks past them are copied and stored by :meth:`wait_for_save`)."""
-        if self._in_place or not self.has_connector_metadata():
+        if self._in_place or not self.has_connector_metadata() or self._session is None or self._session.closed:
             return []
         meta = self._get_connector_metadata()
         if self._planned_for is meta:
@@ -1078,6 +1144,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
+        if not self._session_ok():  # the sidecar is away: this step's saves are skipped
+            if self._planned_for is meta:
+                self._give_slots([x for p in self._planned if p is not None for x in p.slots])
+            self._planned_for, self._planned = None, []
+            return
         session, handle = self._ready()
         assert self._executor is not None
         computed: torch.cuda.Event | None = None
