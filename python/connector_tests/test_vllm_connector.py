@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import signal
 import sys
 import threading
 import time
@@ -596,6 +597,19 @@ def store_prefix(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tenso
     return prompt, stored_kv
 
 
+def assert_stores_and_loads(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor],
+                            gen: torch.Generator, written: dict[int, torch.Tensor]) -> None:
+    """A prefix stored now (:func:`store_prefix`) is scheduled as loaded for a request that
+    shares it, into zeroed KV, bit-exact."""
+    prompt, stored_kv = store_prefix(s, w, caches, gen, written)
+    for t in caches.values():
+        t.zero_()
+    s.add_request(request("d", prompt[: 3 * BLOCK] + [11] * 5))
+    out = step(s, w, caches, gen, written)
+    assert_scheduled_loaded(out, "d", 3, caches, stored_kv)
+    run_to_end(s, w, caches, gen, written)
+
+
 def test_background_loads_keep_the_request_waiting_and_never_block_the_forward(
         sidecar: Sidecar, model_dir: str) -> None:
     """load_async = true (in place, vLLM's KV in a shared file): a request whose prefix kvtier
@@ -935,17 +949,76 @@ def test_a_restarted_sidecar_is_reconnected_and_vllm_computes_meanwhile(model_di
             # Each side reopens on a thread of its own and takes the new session at a later call.
             assert wait_for(lambda: s.connector._session_ok() and w._session_ok(), timeout=30)
             s.reset_prefix_cache()
-            prompt_c, stored_kv = store_prefix(s, w, caches, gen, written)
+            s.add_request(request("e", [1] * 4))
+            run_to_end(s, w, caches, gen, written)  # a step publishes the scheduler's events
             removed = [h for batch in s.published for e in batch.events if isinstance(e, BlockRemoved)
                        for h in e.block_hashes]
             keys = kvtier.Namespace("test/tiny-llama", kvtier.Geometry(LAYERS, HEADS, DIM, "f16", BLOCK)).keys(prompt)
             assert set(keys) <= set(removed), "the blocks announced before the restart are published as removed"
-            for t in caches.values():
-                t.zero_()
-            s.add_request(request("d", prompt_c[: 3 * BLOCK] + [11] * 5))
-            out = step(s, w, caches, gen, written)
-            assert_scheduled_loaded(out, "d", 3, caches, stored_kv)
+            assert_stores_and_loads(s, w, caches, gen, written)
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def test_a_hung_sidecar_holds_the_scheduler_for_one_match_timeout(model_dir: str, tmp_path: Path) -> None:
+    """The sidecar stopped (SIGSTOP: alive, answering nothing): the scheduler's wait is bounded
+    by match_timeout_s (not the client's 60 s), both requests are computed, and no Match is
+    asked for reconnect_interval_s after the failed one; once the sidecar runs again, requests
+    match and load as before."""
+    sc = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
+    config = vllm_config(sc, model_dir, staging_slots=8, match_timeout_s=0.5, reconnect_interval_s=0.5)
+    try:
+        with engine(config, 41) as (s, w, caches, gen, written):
+            prompt, _ = store_prefix(s, w, caches, gen, written)
+            os.kill(sc.process.pid, signal.SIGSTOP)
+            try:
+                s.add_request(request("b", prompt[: 3 * BLOCK] + [5] * 3))
+                s.add_request(request("c", [6] + prompt[1 : 3 * BLOCK] + [6] * 3))  # not b's blocks
+                started = time.monotonic()
+                out = s.schedule()
+                waited = time.monotonic() - started
+            finally:
+                os.kill(sc.process.pid, signal.SIGCONT)
+            assert {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs} == {"b": 0, "c": 0}
+            assert waited < 10, f"the scheduler waited {waited:.1f} s (one match_timeout_s is 0.5 s)"
+            assert s.connector._match_again_at > started, "Match rests after the failed one"
+            kvo = forward(w, caches, out)
+            reqs = list(out.num_scheduled_tokens)
+            s.update_from_output(out, ModelRunnerOutput(req_ids=reqs, sampled_token_ids=[[7] for _ in reqs],
+                                                        kv_connector_output=kvo))
             run_to_end(s, w, caches, gen, written)
+            assert wait_for(lambda: time.monotonic() >= s.connector._match_again_at)
+            s.reset_prefix_cache()
+            assert_stores_and_loads(s, w, caches, gen, written)
+    finally:
+        sc.stop()
+
+
+def test_a_store_that_times_out_keeps_its_slots_until_the_session_is_replaced(
+        model_dir: str, tmp_path: Path) -> None:
+    """A store sent to a stopped sidecar times out (store_timeout_s) with its outcome unknown:
+    the sidecar may still copy from its staging slots when it runs again, so they are not
+    reused; once the session is replaced (the sidecar restarted), they are free again and
+    prefixes store and load bit-exact."""
+    first = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
+    config = vllm_config(first, model_dir, staging_slots=8, store_timeout_s=0.5, reconnect_interval_s=0.05)
+    second: Sidecar | None = None
+    try:
+        with engine(config, 51) as (s, w, caches, gen, written):
+            os.kill(first.process.pid, signal.SIGSTOP)
+            try:
+                s.add_request(request("a", torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()))
+                run_to_end(s, w, caches, gen, written)  # its 3 blocks' store times out
+                assert len(w._free) == 5 and len(w._unsure) == 1, "the 3 slots are kept from reuse"
+            finally:
+                os.kill(first.process.pid, signal.SIGCONT)
+            first.stop()
+            second = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
+            assert wait_for(lambda: s.connector._session_ok() and w._session_ok(), timeout=30)
+            assert len(w._free) == 8 and not w._unsure
+            assert_stores_and_loads(s, w, caches, gen, written)
     finally:
         first.stop()
         if second is not None:

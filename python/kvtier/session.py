@@ -246,11 +246,13 @@ class Session:
         *,
         token_ids: Sequence[int] | np.ndarray | None = None,
         cache_salt: str = "",
+        timeout: float | None = None,
     ) -> MatchResult:
         """Where each leading block of a sequence is, by its ``keys`` or its ``token_ids``
-        (whole blocks only). Pins nothing."""
+        (whole blocks only). Pins nothing. ``timeout``: seconds to wait for the answer
+        (default: the client's), else :class:`~kvtier.errors.DeadlineExceeded`."""
         return _wire.match_result(self._unary(
-            "Match", _wire.match_request(self.id, pool, keys, token_ids, cache_salt)))
+            "Match", _wire.match_request(self.id, pool, keys, token_ids, cache_salt), timeout))
 
     def load(
         self,
@@ -301,13 +303,16 @@ class Session:
         parent: int | None = None,
         cache_salt: str = "",
         durable: bool = False,
+        timeout: float | None = None,
     ) -> StoreResult:
         """Copies a contiguous run of one sequence's blocks (``keys`` in order, each in its
         device slot) into host memory; ``parent`` is the key of the block before the first
         (None when the run starts the sequence). Returns when the slots may be reused (with
-        ``durable``: once the blocks are also on disk and synced)."""
+        ``durable``: once the blocks are also on disk and synced). ``timeout``: seconds to wait
+        (default: the client's), else :class:`~kvtier.errors.DeadlineExceeded` (the store may
+        still complete on the sidecar)."""
         return _wire.store_result(self._unary(
-            "Store", _wire.store_request(self.id, pool, keys, slots, parent, cache_salt, durable)))
+            "Store", _wire.store_request(self.id, pool, keys, slots, parent, cache_salt, durable), timeout))
 
     def device_events(self, pool: PoolRef, events: Iterable[DeviceEvent]) -> DeviceEventsResult:
         """Reports a batch of changes to what the pool's device holds (what Match reports as

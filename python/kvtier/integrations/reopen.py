@@ -33,7 +33,8 @@ class Reopener(Generic[T]):
         if not interval_s > 0:
             raise ValueError(f"reconnect_interval_s = {interval_s}: give a positive number of seconds")
         self._attempt = attempt
-        self._interval_s = interval_s
+        #: Seconds between attempts.
+        self.interval_s = interval_s
         self._what = what
         self._retry_on = (KvtierError, OSError, *retry_on)
         self._next = 0.0
@@ -45,7 +46,7 @@ class Reopener(Generic[T]):
         if self._inflight is None:
             now = time.monotonic()
             if now >= self._next:
-                self._next = now + self._interval_s
+                self._next = now + self.interval_s
                 if self._thread is None:
                     self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-reopen")
                 self._inflight = self._thread.submit(self._attempt)
@@ -57,7 +58,7 @@ class Reopener(Generic[T]):
             made = done.result()
         except self._retry_on as e:
             logger.warning("kvtier: %s: the session to the sidecar ended; reopening failed (%s), next try in %.1f s",
-                           self._what, e, self._interval_s)
+                           self._what, e, self.interval_s)
             return None
         logger.info("kvtier: %s: session reopened", self._what)
         return made

@@ -74,7 +74,12 @@ errors, for vLLM to recompute) and are copied into vLLM's blocks by ``get_finish
 ``staging_slots`` (default 256), ``model_name`` (default vLLM's served model name),
 ``cache_salt`` (for requests without one), ``client_name``, ``reconnect_interval_s`` (default
 2: when the sidecar ends a session, by a restart, each side reopens it in the background and
-registers its pool again, one try per interval; vLLM computes meanwhile).
+registers its pool again, one try per interval; vLLM computes meanwhile), ``match_timeout_s``
+(default 1: the longest the scheduler waits for a ``Match``; after a failed one, requests are
+computed without asking for ``reconnect_interval_s``), ``store_timeout_s`` (default 60: the
+longest a background store is waited for; one that times out may still be copying, so its
+staging slots, or in place its request's blocks, are kept from reuse until the session is
+replaced).
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import grpc
 import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -100,7 +106,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from ..errors import KvtierError
+from ..errors import KvtierError, SessionClosed
 from ..geometry import Geometry
 from ..keys import BlockKeys
 from ..pool import CpuPool
@@ -307,6 +313,14 @@ def _group_runs(block_ids: tuple[list[int], ...] | list[list[int]], first: int, 
     return [[*g[first:last], *[NULL_BLOCK] * (last - first - len(g[first:last]))] for g in block_ids]
 
 
+def _outcome_unknown(e: KvtierError) -> bool:
+    """Whether a failed call may still be carried out by the sidecar (it was sent, and no answer
+    said how it ended)."""
+    return not isinstance(e, SessionClosed) and e.code in (
+        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNKNOWN)
+
+
 def _discard(made: tuple[Session, CpuPool | None, PoolHandle]) -> None:
     """Closes a reopened session (and pool) that came too late to be used."""
     made[0].close()
@@ -398,6 +412,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_async = _flag(extra.get("load_async", False), "load_async")
         self._reopener = Reopener(self._reopen, float(extra.get("reconnect_interval_s", 2.0)),
                                   f"vLLM {role.name.lower()}", retry_on=(NotInPlace,))
+        self._match_timeout_s = float(extra.get("match_timeout_s", 1.0))
+        if not self._match_timeout_s > 0:
+            raise ValueError(f"match_timeout_s = {self._match_timeout_s}: give a positive number of seconds")
+        #: No Match before this (monotonic seconds): set when one failed.
+        self._match_again_at = 0.0
+        self._store_timeout_s = float(extra.get("store_timeout_s", 60.0))
+        if not self._store_timeout_s > 0:
+            raise ValueError(f"store_timeout_s = {self._store_timeout_s}: give a positive number of seconds")
         mc = vllm_config.model_config
         self._model = str(extra.get("model_name") or getattr(mc, "served_model_name", None) or mc.model)
         self._salt = str(extra.get("cache_salt", ""))
@@ -457,7 +479,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._loader: ThreadPoolExecutor | None = None
         #: True when vLLM's own KV memory is the registered pool (slots are vLLM's block ids).
         self._in_place = False
-        self._stores: deque[tuple[str, Future[list[int]]]] = deque()
+        self._stores: deque[tuple[str, list[int], Future[list[int] | None]]] = deque()
+        #: Stores whose outcome is unknown (the call failed after it was sent: the sidecar may
+        #: still be copying): (request, staging slots); the slots, or in place the request's
+        #: blocks, are kept from reuse until the session is replaced.
+        self._unsure: list[tuple[str, list[int]]] = []
         self._stores_of: dict[str, int] = {}   # stores in flight per request
         self._delayed: set[str] = set()        # finished requests whose free waits on stores
         self._stored_keys: list[int] = []
@@ -503,6 +529,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             # What the sidecar holds now is unknown: the blocks announced are reported removed
             # (a later store announces them again).
             self._announce_removed(list(self._announced))
+        else:
+            self._release_unsure()
         return True
 
     def _reopen(self) -> tuple[Session, CpuPool | None, PoolHandle]:
@@ -599,10 +627,16 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if full <= num_computed_tokens // self._block_size:
             return 0, False
         keys = self._keys(st, full, salt)
+        if time.monotonic() < self._match_again_at:
+            return 0, False
         try:
-            m = session.match(handle, keys, cache_salt=salt)
+            m = session.match(handle, keys, cache_salt=salt, timeout=self._match_timeout_s)
         except KvtierError as e:
-            logger.warning("kvtier: match failed (%s); computing request %s", e, request.request_id)
+            # A sidecar that does not answer in time is not asked again for a while: the
+            # scheduler's loop waits at most one timeout per reconnect interval.
+            self._match_again_at = time.monotonic() + self._reopener.interval_s
+            logger.warning("kvtier: match failed (%s); computing request %s, no match for %.1f s", e,
+                           request.request_id, self._reopener.interval_s)
             return 0, False
         self._matched[request.request_id] = (m.matched_blocks, num_computed_tokens)
         # Announced, and no longer in kvtier (or past a block that is not).
@@ -936,6 +970,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         jobs = [(spec, keys, list(spec.block_ids)) for spec, keys in loads]
         with self._slot_lock:
             room = len(self._free)
+            if jobs and not room and not self._stores:  # every slot is kept from reuse
+                logger.warning("kvtier: no staging slot free; %d loads are recomputed", len(jobs))
+                self._load_errors.update(b for _, _, blocks in jobs for b in blocks)
+                return
         total = sum(len(b) for _, _, b in jobs)
         # Whatever does not fit the free slots is loaded now, whole, in runs.
         over = max(0, total - room)
@@ -1175,7 +1213,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 parent, done = p.keys[-1], len(p.slots)
             by_group = spec.by_group()
             while done < len(keys):
-                slots = self._take_slots(len(keys) - done)
+                try:
+                    slots = self._take_slots(len(keys) - done)
+                except KvtierError as e:  # every slot is kept from reuse (stores of unknown outcome)
+                    logger.warning("kvtier: %s; %d blocks of %s not saved", e, len(keys) - done, spec.req_id)
+                    break
                 run_keys = keys[done : done + len(slots)]
                 self._copy_in([g[done : done + len(slots)] for g in by_group], slots)
                 self._submit_store(spec.req_id, session, handle, run_keys, slots, parent, spec.cache_salt, None)
@@ -1187,41 +1229,65 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                       parent: int | None, salt: str, computed: torch.cuda.Event | None) -> None:
         assert self._executor is not None
         self._stores_of[req_id] = self._stores_of.get(req_id, 0) + 1
-        self._stores.append((req_id, self._executor.submit(
+        self._stores.append((req_id, slots, self._executor.submit(
             self._store, session, handle, keys, slots, parent, salt, computed)))
 
     def _store(self, session: Session, handle: PoolHandle, keys: BlockKeys, slots: list[int],
-               parent: int | None, salt: str, computed: torch.cuda.Event | None) -> list[int]:
+               parent: int | None, salt: str, computed: torch.cuda.Event | None) -> list[int] | None:
+        """One Store (on the store thread): the keys kvtier took, or None when its outcome is
+        unknown (then its slots stay out of use: :meth:`_reap`)."""
+        unknown = False
         try:
             if computed is not None:
                 computed.synchronize()  # the forward that wrote the blocks is done
-            r = session.store(handle, keys, slots, parent=parent, cache_salt=salt)
+            r = session.store(handle, keys, slots, parent=parent, cache_salt=salt, timeout=self._store_timeout_s)
             refused = set(r.no_space)
             return [k for k in keys if k not in refused]
         except KvtierError as e:
-            logger.warning("kvtier: store of %d blocks failed: %s", len(keys), e)
-            return []
+            unknown = _outcome_unknown(e)
+            logger.warning("kvtier: store of %d blocks failed: %s%s", len(keys), e,
+                           "; its slots are kept from reuse until the session is replaced" if unknown else "")
+            return None if unknown else []
         finally:
-            if not self._in_place:
+            if not self._in_place and not unknown:
                 self._give_slots(slots)
 
     def _reap(self, block: bool, only: set[str] | None = None) -> None:
         """Collects finished stores (``block``: waits for them; ``only``: for those requests'
         stores, which then all finish)."""
         if block:
-            wait_all([f for r, f in self._stores if only is None or r in only])
-        kept: deque[tuple[str, Future[list[int]]]] = deque()
-        for req_id, f in self._stores:
-            if f.done():
-                self._stored_keys.extend(f.result())
-                n = self._stores_of.get(req_id, 1) - 1
-                if n:
-                    self._stores_of[req_id] = n
-                else:
-                    self._stores_of.pop(req_id, None)
+            wait_all([f for r, _, f in self._stores if only is None or r in only])
+        kept: deque[tuple[str, list[int], Future[list[int] | None]]] = deque()
+        for req_id, slots, f in self._stores:
+            if not f.done():
+                kept.append((req_id, slots, f))
+            elif (stored := f.result()) is None:
+                # In place the request keeps its blocks (still counted in _stores_of: not
+                # reported); through staging its blocks are free, its slots are kept.
+                self._unsure.append((req_id if self._in_place else "", slots))
+                if not self._in_place:
+                    self._store_ended(req_id)
             else:
-                kept.append((req_id, f))
+                self._stored_keys.extend(stored)
+                self._store_ended(req_id)
         self._stores = kept
+
+    def _store_ended(self, req_id: str) -> None:
+        n = self._stores_of.get(req_id, 1) - 1
+        if n:
+            self._stores_of[req_id] = n
+        else:
+            self._stores_of.pop(req_id, None)
+
+    def _release_unsure(self) -> None:
+        """The session was replaced (the old one ended: the sidecar's transfers on its pools
+        are over): stores of unknown outcome release their slots and requests."""
+        unsure, self._unsure = self._unsure, []
+        for req_id, slots in unsure:
+            if self._in_place:
+                self._store_ended(req_id)
+            else:
+                self._give_slots(slots)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Binds the step's metadata and notes its delayed frees at once: vLLM may ask
