@@ -8,6 +8,8 @@ scripts/test_connectors.sh in its venv (sglang, torch); not part of `scripts/tes
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -183,3 +185,30 @@ def test_a_restarted_sidecar_is_reconnected_and_sglang_computes_meanwhile(tmp_pa
         first.stop()
         if second is not None:
             second.stop()
+
+
+def test_a_store_that_times_out_gives_up_the_staging_pool(sidecar: Sidecar) -> None:
+    """A store sent to a stopped sidecar times out with its outcome unknown (the sidecar may
+    read the staging slots when it runs again): the backend closes its session and reopens it
+    with a new staging pool, never writing the old one again; pages move bit-exact after."""
+    host = host_pool("page_first")
+    b = backend(sidecar, host, store_timeout_s=0.5, reconnect_interval_s=0.05, cache_salt="timeout")
+    try:
+        gen = torch.Generator().manual_seed(4)
+        host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=gen).to(torch.bfloat16))
+        keys = hashes(torch.randint(0, 50_000, (4 * PAGE,), generator=gen).tolist())
+        old_pool = b._pool
+        os.kill(sidecar.process.pid, signal.SIGSTOP)
+        try:
+            assert b.batch_set_v1(keys, indices(0, 4)) == [False] * 4
+        finally:
+            os.kill(sidecar.process.pid, signal.SIGCONT)
+        assert wait_for(b._session_ok, timeout=30)
+        assert b._pool is not old_pool and not old_pool.path.exists(), "a new staging pool"
+        want = [page(host, i * PAGE).clone() for i in range(4)]
+        assert b.batch_set_v1(keys, indices(0, 4)) == [True] * 4
+        assert b.batch_get_v1(keys, indices(8, 4)) == [True] * 4
+        for i in range(4):
+            assert torch.equal(page(host, (8 + i) * PAGE).view(torch.int16), want[i].view(torch.int16)), i
+    finally:
+        b.close()

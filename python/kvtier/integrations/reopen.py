@@ -10,7 +10,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
-from ..errors import KvtierError
+import grpc
+
+from ..errors import KvtierError, SessionClosed
+from ..pool import CpuPool
+from ..results import PoolHandle
+from ..session import Session
 
 T = TypeVar("T")
 
@@ -71,3 +76,19 @@ class Reopener(Generic[T]):
         if self._inflight is not None and self._inflight.exception() is None:
             discard(self._inflight.result())
         self._inflight = None
+
+
+def outcome_unknown(e: KvtierError) -> bool:
+    """Whether a failed call may still be carried out by the sidecar: it was sent, and no answer
+    said how it ended (a deadline, a cancel, a dropped connection). Memory such a call reads or
+    writes must not be reused before the sidecar is known to be done with it."""
+    return not isinstance(e, SessionClosed) and e.code in (
+        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNKNOWN)
+
+
+def discard_reopened(made: tuple[Session, CpuPool | None, PoolHandle]) -> None:
+    """Closes a reopened session (and the pool made with it) that came too late to be used."""
+    made[0].close()
+    if made[1] is not None:
+        made[1].close()

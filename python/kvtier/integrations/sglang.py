@@ -25,11 +25,14 @@ geometry and the tensor-parallel rank/size SGLang gives, so ranks and models nev
 extra_config keys: ``sidecar`` (a target as :func:`kvtier.connect` takes; default the
 sidecar's default socket), ``auth_token``, ``staging_slots``, ``cache_salt``, ``model_name``
 (default SGLang's), ``client_name``, ``reconnect_interval_s`` (default 2: how often a session
-the sidecar ended, by a restart, is tried again; SGLang computes meanwhile).
+the sidecar ended, by a restart, is tried again; SGLang computes meanwhile), ``store_timeout_s``
+(default 60: the longest a store is waited for; one that times out may still read the staging
+pool, so the pool is given up and the session reopened with a new one).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -47,8 +50,8 @@ from ..keys import BlockKeys
 from ..pool import CpuPool
 from ..results import PoolHandle
 from ..session import Session
-from .reopen import REOPEN_CONNECT_TIMEOUT_S, Reopener
-from .staging import open_session, open_staging
+from .reopen import REOPEN_CONNECT_TIMEOUT_S, Reopener, discard_reopened, outcome_unknown
+from .staging import add_staging_pool, open_session, open_staging
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
@@ -58,6 +61,8 @@ def page_key(sglang_hash: str) -> int:
     if len(sglang_hash) < 32:
         raise ValueError(f"page hash {sglang_hash!r}: expected at least 32 hex digits")
     return int(sglang_hash[:32], 16)
+
+logger = logging.getLogger(__name__)
 
 
 class KvtierHiCacheStorage(HiCacheStorage):
@@ -85,7 +90,13 @@ class KvtierHiCacheStorage(HiCacheStorage):
         # SGLang's prefetch and backup threads call in concurrently; the staging pool is one.
         self._lock = threading.Lock()
         self._session_lock = threading.Lock()  # guards the swap to a reopened session
+        #: A store's outcome is unknown (it may still read the staging slots): the staging pool
+        #: is given up, and the reopened session gets a new one.
+        self._tainted = False
         self._reopener = Reopener(self._reopen, float(extra.get("reconnect_interval_s", 2.0)), "SGLang")
+        self._store_timeout_s = float(extra.get("store_timeout_s", 60.0))
+        if not self._store_timeout_s > 0:
+            raise ValueError(f"store_timeout_s = {self._store_timeout_s}: give a positive number of seconds")
         self.mem_pool_host: Any = None
 
     # --- setup -----------------------------------------------------------------------------
@@ -112,7 +123,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         """Closes the session (the sidecar unregisters the staging pool) and removes the pool file."""
-        self._reopener.shutdown(lambda made: made[0].close())
+        self._reopener.shutdown(discard_reopened)
         if self._session is not None:
             self._session.close()
             self._session = None
@@ -127,31 +138,52 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     def _session_ok(self) -> bool:
         """Whether the session is open. When it has ended (the sidecar restarted, or dropped
-        it), it is reopened in the background with the staging pool registered again (one try
-        per ``reconnect_interval_s``) and put in place by a later call; meanwhile no page is
-        found, loaded or stored, and SGLang computes."""
+        it, or a store's outcome was unknown), it is reopened in the background with the
+        staging pool registered again (a new one after an unknown store; one try per
+        ``reconnect_interval_s``) and put in place by a later call; meanwhile no page is found,
+        loaded or stored, and SGLang computes."""
         with self._session_lock:
             if self._session is None or not self._session.closed:
                 return self._session is not None
             made = self._reopener.poll()
             if made is None:
                 return False
-            old, (self._session, self._handle) = self._session, made
+            session, pool, handle = made
+            with self._lock:  # no page copy uses the old pool any more
+                old, self._session, self._handle = self._session, session, handle
+                if pool is not None:
+                    old_pool, self._pool, self._tainted = self._pool, pool, False
+                    if old_pool is not None:
+                        old_pool.close()
             old.close()
             return True
 
-    def _reopen(self) -> tuple[Session, PoolHandle]:
-        """A new session with the staging pool registered again (on the reopen thread)."""
+    def _reopen(self) -> tuple[Session, CpuPool | None, PoolHandle]:
+        """A new session with the staging pool registered again, or a new staging pool after a
+        store of unknown outcome (on the reopen thread)."""
         assert self._pool is not None
         session = open_session(self._target, self._client_name, auth_token=self._auth_token,
                                geometry=self._pool.geometry, engine_kv="SGLang's host pool",
                                connect_timeout=REOPEN_CONNECT_TIMEOUT_S)
         try:
-            return session, session.register_pool(self._pool, self._model, tp_rank=self.config.tp_rank,
-                                                  tp_size=self.config.tp_size)
+            if self._tainted:
+                pool, handle = add_staging_pool(session, slots=self._staging_slots, model=self._model,
+                                                tp_rank=self.config.tp_rank, tp_size=self.config.tp_size)
+                return session, pool, handle
+            return session, None, session.register_pool(self._pool, self._model, tp_rank=self.config.tp_rank,
+                                                        tp_size=self.config.tp_size)
         except BaseException:
             session.close()
             raise
+
+    def _store_failed(self, session: Session, e: KvtierError) -> None:
+        """A store that failed with its outcome unknown may still read the staging slots when
+        the sidecar gets to it: the pool is given up (the session closed, a new pool made when
+        it is reopened) rather than written again."""
+        if outcome_unknown(e):
+            logger.warning("kvtier: a store's outcome is unknown (%s); the staging pool is replaced", e)
+            self._tainted = True
+            session.close()
 
     # --- page copies between SGLang's host pool and the staging slots ----------------------
 
@@ -254,9 +286,10 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 try:
                     r = session.store(
                         handle, BlockKeys.from_ints(page_key(k) for k in run), range(len(run)),
-                        parent=parent, cache_salt=self._salt,
+                        parent=parent, cache_salt=self._salt, timeout=self._store_timeout_s,
                     )
-                except KvtierError:
+                except KvtierError as e:
+                    self._store_failed(session, e)
                     return out
                 refused = set(r.no_space)
                 for j, k in enumerate(run):
@@ -310,9 +343,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
                     self._slot(pool, j).copy_(self._flat_page(values[start + j]))
                 try:
                     r = session.store(
-                        handle, BlockKeys.from_ints(page_key(k) for k in run), range(len(run)), cache_salt=self._salt
+                        handle, BlockKeys.from_ints(page_key(k) for k in run), range(len(run)), cache_salt=self._salt,
+                        timeout=self._store_timeout_s,
                     )
-                except KvtierError:
+                except KvtierError as e:
+                    self._store_failed(session, e)
                     return False
                 if len(r.no_space) > 0:
                     return False

@@ -93,7 +93,6 @@ from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import grpc
 import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -106,14 +105,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from ..errors import KvtierError, SessionClosed
+from ..errors import KvtierError
 from ..geometry import Geometry
 from ..keys import BlockKeys
 from ..pool import CpuPool
 from ..results import BlocksMissing, LayerReady, LoadDone, PoolHandle
 from ..session import LoadStream, Session
 from .in_place import NotInPlace, register_in_place
-from .reopen import REOPEN_CONNECT_TIMEOUT_S, Reopener
+from .reopen import REOPEN_CONNECT_TIMEOUT_S, Reopener, discard_reopened, outcome_unknown
 from .staging import add_staging_pool, open_session, open_staging
 
 if TYPE_CHECKING:
@@ -311,21 +310,6 @@ def _group_runs(block_ids: tuple[list[int], ...] | list[list[int]], first: int, 
     """Blocks ``first..last`` of each KV cache group's block table, ``NULL_BLOCK`` where a
     group's table is shorter."""
     return [[*g[first:last], *[NULL_BLOCK] * (last - first - len(g[first:last]))] for g in block_ids]
-
-
-def _outcome_unknown(e: KvtierError) -> bool:
-    """Whether a failed call may still be carried out by the sidecar (it was sent, and no answer
-    said how it ended)."""
-    return not isinstance(e, SessionClosed) and e.code in (
-        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.UNKNOWN)
-
-
-def _discard(made: tuple[Session, CpuPool | None, PoolHandle]) -> None:
-    """Closes a reopened session (and pool) that came too late to be used."""
-    made[0].close()
-    if made[1] is not None:
-        made[1].close()
 
 
 def _slot_runs(slots: list[int]) -> list[tuple[int, int]]:
@@ -574,7 +558,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             if a.stream is not None:
                 a.stream.cancel()
         self._active_loads = []
-        self._reopener.shutdown(_discard)
+        self._reopener.shutdown(discard_reopened)
         if self._session is not None:
             self._session.close()
             self._session = None
@@ -1244,7 +1228,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             refused = set(r.no_space)
             return [k for k in keys if k not in refused]
         except KvtierError as e:
-            unknown = _outcome_unknown(e)
+            unknown = outcome_unknown(e)
             logger.warning("kvtier: store of %d blocks failed: %s%s", len(keys), e,
                            "; its slots are kept from reuse until the session is replaced" if unknown else "")
             return None if unknown else []
