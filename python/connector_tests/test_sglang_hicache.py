@@ -152,6 +152,15 @@ def test_a_geometry_the_sidecar_does_not_serve_is_refused(sidecar: Sidecar) -> N
         backend(sidecar, host)
 
 
+def assert_pages_round_trip(b: KvtierHiCacheStorage, host: MHATokenToKVPoolHost, keys: list[str]) -> None:
+    """Host pages 0-3 stored under ``keys`` come back into pages 8-11 bit-exact."""
+    want = [page(host, i * PAGE).clone() for i in range(4)]
+    assert b.batch_set_v1(keys, indices(0, 4)) == [True] * 4
+    assert b.batch_get_v1(keys, indices(8, 4)) == [True] * 4
+    for i in range(4):
+        assert torch.equal(page(host, (8 + i) * PAGE).view(torch.int16), want[i].view(torch.int16)), i
+
+
 def test_a_restarted_sidecar_is_reconnected_and_sglang_computes_meanwhile(tmp_path: Path) -> None:
     """The sidecar killed under SGLang's cache controller: lookups find nothing and stores and
     loads fail page by page (SGLang computes), nothing raises; a new sidecar on the same
@@ -175,11 +184,7 @@ def test_a_restarted_sidecar_is_reconnected_and_sglang_computes_meanwhile(tmp_pa
         second = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
         assert wait_for(b._session_ok, timeout=30)
         assert b.batch_exists(keys) == 0, "the new sidecar holds nothing yet"
-        want = [page(host, i * PAGE).clone() for i in range(4)]
-        assert b.batch_set_v1(keys, indices(0, 4)) == [True] * 4
-        assert b.batch_get_v1(keys, indices(8, 4)) == [True] * 4
-        for i in range(4):
-            assert torch.equal(page(host, (8 + i) * PAGE).view(torch.int16), want[i].view(torch.int16)), i
+        assert_pages_round_trip(b, host, keys)
     finally:
         b.close()
         first.stop()
@@ -205,10 +210,6 @@ def test_a_store_that_times_out_gives_up_the_staging_pool(sidecar: Sidecar) -> N
             os.kill(sidecar.process.pid, signal.SIGCONT)
         assert wait_for(b._session_ok, timeout=30)
         assert b._pool is not old_pool and not old_pool.path.exists(), "a new staging pool"
-        want = [page(host, i * PAGE).clone() for i in range(4)]
-        assert b.batch_set_v1(keys, indices(0, 4)) == [True] * 4
-        assert b.batch_get_v1(keys, indices(8, 4)) == [True] * 4
-        for i in range(4):
-            assert torch.equal(page(host, (8 + i) * PAGE).view(torch.int16), want[i].view(torch.int16)), i
+        assert_pages_round_trip(b, host, keys)
     finally:
         b.close()
