@@ -1023,3 +1023,45 @@ def test_a_store_that_times_out_keeps_its_slots_until_the_session_is_replaced(
         first.stop()
         if second is not None:
             second.stop()
+
+
+def test_in_place_a_store_that_times_out_keeps_its_requests_blocks(model_dir: str, tmp_path: Path) -> None:
+    """In place (vLLM's KV in a shared file), a store that times out under a stopped sidecar
+    may still read the request's blocks: the finished request keeps them (vLLM does not free
+    them) until the session is replaced, then they are freed."""
+    first = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
+    config = vllm_config(first, model_dir, kv_path="in_place", match_timeout_s=0.3, store_timeout_s=0.5,
+                         reconnect_interval_s=0.05)
+    kcc = kv_cache_config()
+    s = scheduler(config, kcc)
+    raw = shm_bytes(Path("/dev/shm") / f"kvtier-test-unsure-{os.getpid()}", 2 * LAYERS * NUM_BLOCKS * BLOCK * HEADS * DIM * 2)
+    second: Sidecar | None = None
+    try:
+        planes = raw.view(torch.float16).view(LAYERS, 2, NUM_BLOCKS, BLOCK, HEADS, DIM)
+        caches = {n: planes[i] for i, n in enumerate(NAMES)}
+        w = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
+        w.register_kv_caches(caches)
+        gen, written = torch.Generator().manual_seed(61), {}
+        try:
+            assert w._in_place
+            os.kill(first.process.pid, signal.SIGSTOP)
+            try:
+                s.add_request(request("a", torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()))
+                for _ in range(3):  # computed, saved (the store times out), finished
+                    step(s, w, caches, gen, written)
+                assert "a" in s.requests and len(w._unsure) == 1, "vLLM keeps a's blocks"
+            finally:
+                os.kill(first.process.pid, signal.SIGCONT)
+            first.stop()
+            second = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
+            assert wait_for(lambda: s.connector._session_ok() and w._session_ok(), timeout=30)
+            run_to_end(s, w, caches, gen, written)
+            assert "a" not in s.requests and not w._unsure, "freed once the session was replaced"
+        finally:
+            w.shutdown()
+            s.connector.shutdown()
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+        os.unlink(Path("/dev/shm") / f"kvtier-test-unsure-{os.getpid()}")
