@@ -8,6 +8,8 @@
 #     engine dies and the next one is served;
 #   - the same from the Python package (scripts/gpu/in_place_cuda.py): PyTorch KV registered in
 #     place by kvtier.integrations.in_place, as the vLLM connector's worker does;
+#   - the connector's staging copies (scripts/gpu/staged_copies_cuda.py): each layer copied out
+#     on the copy stream into the pinned staging pool after the GPU work writing it, and back;
 #   - `kvtier bench offload --device cuda` for kvtier's and vLLM's layouts (128 KiB
 #     block-layers, Qwen3-30B-A3B geometry), with the pinned cudaMemcpyAsync baselines and
 #     ratios, each copy method for vLLM's split K/V planes, vLLM >= 0.34's interleaved
@@ -45,7 +47,7 @@ for l in sys.stdin:
     mkdir -p "$bundle"
     strip -o "$bundle/kvtier" target/release/kvtier
     while read -r name exe; do strip -o "$bundle/$name" "$exe"; done <<<"$tests"
-    cp scripts/gpu/torch_kv_pool.py scripts/gpu/in_place_cuda.py "$bundle/"
+    cp scripts/gpu/torch_kv_pool.py scripts/gpu/in_place_cuda.py scripts/gpu/staged_copies_cuda.py "$bundle/"
     # The Python package and its runtime wheels (the GPU machine has Python 3.12, no network).
     mkdir -p "$bundle/python" "$bundle/wheels"
     (cd python && find kvtier -name '*.py' -o -name py.typed) | while read -r f; do
@@ -95,6 +97,8 @@ for w in sorted(glob.glob(sys.argv[1] + "/*.whl")):
     zipfile.ZipFile(w).extractall(sys.argv[2])
 EOF
 PYTHONPATH="$pydeps:$bundle/python" "$KVTIER_TORCH_PYTHON" "$bundle/in_place_cuda.py" "$bundle/kvtier" 2>&1 || status=1
+step "Python: the staging copies (the vLLM connector's path where KV cannot be reached in place)"
+PYTHONPATH="$pydeps:$bundle/python" "$KVTIER_TORCH_PYTHON" "$bundle/staged_copies_cuda.py" 2>&1 || status=1
 rm -rf "$pydeps"
 
 bench() {

@@ -113,7 +113,11 @@ from ..results import BlocksMissing, LayerReady, LoadDone, PoolHandle
 from ..session import LoadStream, Session
 from .in_place import NotInPlace, register_in_place
 from .reopen import REOPEN_CONNECT_TIMEOUT_S, Reopener, discard_reopened, outcome_unknown
+from .staged_copies import NULL_BLOCK, StagedCopies, kv_planes
 from .staging import add_staging_pool, open_session, open_staging
+
+__all__ = ["NULL_BLOCK", "KvtierConnector", "KvtierConnectorMetadata", "KvtierWorkerMetadata", "LoadSpec",
+           "SaveSpec", "kv_geometry"]
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -137,10 +141,6 @@ _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 MEDIUM = "KVTIER"
 #: Announced keys the scheduler side remembers, to report them removed (~100 bytes each).
 ANNOUNCED_KEYS = 1 << 20
-#: vLLM's null block (``vllm.v1.attention.backends.utils.NULL_BLOCK_ID``): what a KV cache
-#: group's block table holds where the group keeps no block, e.g. sliding-window layers before
-#: their window.
-NULL_BLOCK = 0
 
 
 @dataclass(frozen=True)
@@ -278,31 +278,6 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
 # --- copies between vLLM's per-layer views and kvtier's block layout ------------------------
 
 
-def kv_planes(kv_layer: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's K and V as ``[blocks, token, head, dim]`` views (no copy)."""
-    if kv_layer.dim() == 4:  # [B, H, N, K‖V]
-        return kv_layer[..., :head_dim].transpose(1, 2), kv_layer[..., head_dim:].transpose(1, 2)
-    return kv_layer[0], kv_layer[1]  # [2, B, N, H, D]
-
-
-def blocks_to_kvtier(kv_layer: torch.Tensor, block_ids: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """vLLM blocks ``block_ids`` of one layer as kvtier's ``(n, K|V, token, head, dim)``
-    (a gathered copy, strided)."""
-    if kv_layer.dim() == 4:  # [B, H, N, K‖V]
-        return kv_layer.index_select(0, block_ids).unflatten(-1, (2, head_dim)).permute(0, 3, 2, 1, 4)
-    return kv_layer.index_select(1, block_ids).transpose(0, 1)  # [2, B, N, H, D]
-
-
-def kvtier_to_blocks(kv_layer: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor) -> None:
-    """Writes kvtier's ``(n, K|V, token, head, dim)`` ``src`` into vLLM blocks ``block_ids``
-    of one layer."""
-    if kv_layer.dim() == 4:
-        n, _, t, h, d = src.shape
-        kv_layer[block_ids] = src.permute(0, 3, 2, 1, 4).reshape(n, h, t, 2 * d).to(kv_layer.device)
-    else:
-        kv_layer[:, block_ids] = src.transpose(0, 1).to(kv_layer.device)
-
-
 # --- the connector -------------------------------------------------------------------------
 
 
@@ -310,17 +285,6 @@ def _group_runs(block_ids: tuple[list[int], ...] | list[list[int]], first: int, 
     """Blocks ``first..last`` of each KV cache group's block table, ``NULL_BLOCK`` where a
     group's table is shorter."""
     return [[*g[first:last], *[NULL_BLOCK] * (last - first - len(g[first:last]))] for g in block_ids]
-
-
-def _slot_runs(slots: list[int]) -> list[tuple[int, int]]:
-    """``slots`` as (first slot, count) runs of consecutive slots."""
-    runs: list[tuple[int, int]] = []
-    for s in slots:
-        if runs and runs[-1][0] + runs[-1][1] == s:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((s, 1))
-    return runs
 
 
 def _flag(value: Any, name: str) -> bool:
@@ -442,11 +406,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._delayed_frees: list[str] = []
         # worker side
         self._kv_caches: list[torch.Tensor] = []
-        self._staging: torch.Tensor | None = None
-        #: CUDA KV through staging: the stream that copies saved layers out while the forward
-        #: goes on, and whether the staging pool is pinned (else those copies wait).
-        self._copy_stream: torch.cuda.Stream | None = None
-        self._pinned = False
+        #: Copies through the staging pool (None in place).
+        self._copies: StagedCopies | None = None
         #: This step's saves copied in per layer (one entry per ``meta.saves``, None where no
         #: slot was free), planned for the metadata ``_planned_for``.
         self._planned: list[_StagedSave | None] = []
@@ -563,10 +524,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._session.close()
             self._session = None
         if self._pool is not None:
-            if self._pinned and self._staging is not None:
-                torch.cuda.cudart().cudaHostUnregister(self._staging.data_ptr())
-                self._pinned = False
-            self._staging = None
+            if self._copies is not None:
+                self._copies.close()
+                self._copies = None
             self._pool.close()
             self._pool = None
 
@@ -819,13 +779,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 self._pool, self._handle = add_staging_pool(
                     self._session, slots=self._staging_slots, model=self._model, tp_rank=self._tp_rank,
                     tp_size=self._tp_size)
-                self._staging = (
+                staging = (
                     torch.from_numpy(self._pool.raw).view(_TORCH_DTYPES[g.dtype])
                     .view(g.layers, self._staging_slots, 2, g.block_tokens, g.kv_heads, g.head_dim)
                 )
+                self._copies = StagedCopies(staging, caches, self._layer_groups, g.head_dim)
                 self._free = deque(range(self._staging_slots))
-                if caches[0].is_cuda:
-                    self._pin_staging(caches[0].device)
         except BaseException:
             self._session.close()
             self._session = None
@@ -833,19 +792,6 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-store")
         if self._load_async:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
-
-    def _pin_staging(self, device: torch.device) -> None:
-        """For CUDA KV through staging: a copy stream, and the staging pool registered with the
-        driver (page-locked), so saved layers go out by DMA while the forward goes on."""
-        assert self._staging is not None
-        self._copy_stream = torch.cuda.Stream(device=device)
-        cudart = torch.cuda.cudart()
-        try:
-            torch.cuda.check_error(cudart.cudaHostRegister(
-                self._staging.data_ptr(), self._staging.numel() * self._staging.element_size(), 0))
-            self._pinned = True
-        except RuntimeError as e:
-            logger.warning("kvtier: the staging pool could not be pinned (%s); copies to it wait for the GPU", e)
 
     # --- staging slots ---------------------------------------------------------------------
 
@@ -864,48 +810,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._free.extend(slots)
             self._slot_lock.notify_all()
 
-    def _copy_in(self, block_ids: list[list[int]], slots: list[int]) -> None:
-        """vLLM blocks (``block_ids`` per KV cache group, each layer from its group's) → staging
-        slots, every layer; done when it returns."""
-        for layer in range(self._geometry.layers):
-            self._copy_layer_in(layer, block_ids, slots)
-        self._copies_done()
-
-    def _copy_layer_in(self, layer: int, block_ids: list[list[int]], slots: list[int]) -> None:
-        """One layer of vLLM blocks → staging slots. CPU KV: done when it returns. CUDA KV: the
-        gather and the copy out run on the copy stream after the work queued so far (the
-        layer's attention), asynchronously where the pool is pinned; :meth:`_copies_done`
-        waits for them."""
-        assert self._staging is not None
-        kv = self._kv_caches[layer]
-        idx = torch.tensor(block_ids[self._layer_groups[layer]], dtype=torch.long, device=kv.device)
-        if self._copy_stream is None:
-            src = blocks_to_kvtier(kv, idx, self._geometry.head_dim)
-            self._staging[layer].index_copy_(0, torch.tensor(slots, dtype=torch.long), src.cpu())
-            return
-        self._copy_stream.wait_stream(torch.cuda.current_stream(kv.device))
-        with torch.cuda.stream(self._copy_stream):
-            src = blocks_to_kvtier(kv, idx, self._geometry.head_dim).contiguous()
-            start = 0
-            for s0, n in _slot_runs(slots):
-                self._staging[layer, s0 : s0 + n].copy_(src[start : start + n], non_blocking=self._pinned)
-                start += n
-
-    def _copies_done(self) -> None:
-        """Waits for the copies :meth:`_copy_layer_in` queued on the copy stream."""
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()
-
-    def _copy_out(self, slots: list[int], block_ids: list[list[int]], layers: range) -> None:
-        """Staging slots → vLLM blocks (``block_ids`` per KV cache group; each layer into its
-        group's, none where that is ``NULL_BLOCK``)."""
-        assert self._staging is not None
-        for layer in layers:
-            pairs = [(s, b) for s, b in zip(slots, block_ids[self._layer_groups[layer]]) if b != NULL_BLOCK]
-            if pairs:
-                sl = torch.tensor([s for s, _ in pairs], dtype=torch.long)
-                idx = torch.tensor([b for _, b in pairs], dtype=torch.long)
-                kvtier_to_blocks(self._kv_caches[layer], idx, self._staging[layer].index_select(0, sl))
+    def _staged(self) -> StagedCopies:
+        assert self._copies is not None, "staging copies without a staging pool"
+        return self._copies
 
     def _worker_keys(self, keys: bytes, token_ids: list[int] | None, first: int, salt: str) -> BlockKeys:
         """A spec's keys in this rank's namespace (rank 0's are the scheduler's)."""
@@ -1031,7 +938,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             return
         ok_slots, ok_blocks = self._split_missing(keys, blocks, slots, done)
         if ok_blocks:  # one KV cache group: hybrid models load in the background
-            self._copy_out(ok_slots, [ok_blocks], range(self._geometry.layers))
+            self._staged().copy_out(ok_slots, [ok_blocks], range(self._geometry.layers))
 
     def _split_missing(self, keys: BlockKeys, blocks: list[int], slots: list[int],
                        done: LoadDone) -> tuple[list[int], list[int]]:
@@ -1090,7 +997,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             if upto > a.copied and not self._in_place:
                 pairs = [(s, b) for k, s, b in zip(a.keys, a.slots, a.spec.block_ids) if k not in a.missing]
                 if pairs:  # one KV cache group: hybrid models load in the background
-                    self._copy_out([s for s, _ in pairs], [[b for _, b in pairs]], range(a.copied + 1, upto + 1))
+                    self._staged().copy_out([s for s, _ in pairs], [[b for _, b in pairs]],
+                                            range(a.copied + 1, upto + 1))
                 a.copied = upto
 
     def _finish_loads(self) -> None:
@@ -1125,7 +1033,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             return
         for p in self._layer_saves():
             if p is not None and layer not in p.copied:
-                self._copy_layer_in(layer, p.block_ids, p.slots)
+                self._staged().copy_layer_in(layer, p.block_ids, p.slots)
                 p.copied.add(layer)
 
     def _save_keys(self, spec: SaveSpec) -> tuple[BlockKeys, int | None]:
@@ -1181,8 +1089,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         for p in planned:  # layers vLLM did not save one by one
             for layer in range(self._geometry.layers):
                 if p is not None and layer not in p.copied:
-                    self._copy_layer_in(layer, p.block_ids, p.slots)
-        self._copies_done()
+                    self._staged().copy_layer_in(layer, p.block_ids, p.slots)
+        if self._copies is not None:
+            self._copies.done()
         self._planned_for, self._planned = None, []
         for i, spec in enumerate(meta.saves):
             keys, parent = self._save_keys(spec)
@@ -1203,7 +1112,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                     logger.warning("kvtier: %s; %d blocks of %s not saved", e, len(keys) - done, spec.req_id)
                     break
                 run_keys = keys[done : done + len(slots)]
-                self._copy_in([g[done : done + len(slots)] for g in by_group], slots)
+                self._staged().copy_in([g[done : done + len(slots)] for g in by_group], slots)
                 self._submit_store(spec.req_id, session, handle, run_keys, slots, parent, spec.cache_salt, None)
                 parent = run_keys[-1]
                 done += len(slots)
@@ -1307,7 +1216,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         for r in recving:
             got = self._async_loads.pop(r).result()
             if got.copy_slots:
-                self._copy_out(got.copy_slots, got.copy_blocks, range(self._geometry.layers))
+                self._staged().copy_out(got.copy_slots, got.copy_blocks, range(self._geometry.layers))
             self._give_slots(got.slots)
             if self._num_groups == 1:
                 self._load_errors.update(got.failed)
