@@ -10,7 +10,8 @@ One scenario per model, in order, on one sidecar:
    connector stores P's blocks;
 2. vLLM's own prefix cache is emptied, and P again: its prefix can only come from kvtier
    (`kvtier_host`);
-3. P again, now from vLLM's own prefix cache (`vllm_cache`);
+3. P again, now from vLLM's own prefix cache (`vllm_cache`); (dense model) four other prompts
+   the same way, sent at once (the batch rows: their prefixes load in the same steps);
 4. P with its first token changed (a control: no cache has it, and its log-probabilities must
    differ from P's, or equal outputs would prove nothing);
 5. vLLM is stopped and a new vLLM process started on the same sidecar (an engine restart, or a
@@ -32,6 +33,7 @@ from __future__ import annotations
 import random
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +70,7 @@ class Variant:
 VARIANTS = {"dense": Variant(TinyModel()), "hybrid": Variant(TinyModel(sliding_window=256)),
             "dense-tp2": Variant(TinyModel(), tp=2)}
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
+BATCH = 4
 PROMPT_TOKENS = 4000
 WARMUP_TOKENS = 1000
 MAX_TOKENS = 8
@@ -79,6 +82,8 @@ class Scenario:
 
     runs: dict[str, Completion] = field(default_factory=dict)
     loaded_blocks: int = 0
+    #: The batch scenario (dense model): per name, one completion per prompt, sent at once.
+    batch: dict[str, list[Completion]] = field(default_factory=dict)
     #: Requests for Q after the sidecar restart until one was a kvtier hit.
     reopen_requests: int = 0
     sidecar_log: list[str] = field(default_factory=list)
@@ -123,6 +128,8 @@ def scenario(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         out.runs["kvtier_host"] = server.complete(p, MAX_TOKENS)
         out.runs["vllm_cache"] = server.complete(p, MAX_TOKENS)
         out.runs["control"] = server.complete([(p[0] + 1) % 256, *p[1:]], MAX_TOKENS)
+        if request.param == "dense":
+            batch_of_prompts(server, sidecar.target, v, out)
         server.stop()
         server = start_vllm(model, free_port(), tmp / "vllm-2.log", sidecar.target, BLOCK, tp=v.tp)
         server.complete(warm, MAX_TOKENS)
@@ -145,6 +152,26 @@ def scenario(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         if server is not None:
             server.stop()
         sidecar.stop()
+
+
+def concurrent(server: VllmServer, prompts: list[list[int]]) -> list[Completion]:
+    """The prompts sent at once (vLLM batches them), one completion each."""
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        return list(ex.map(lambda q: server.complete(q, MAX_TOKENS), prompts))
+
+
+def batch_of_prompts(server: VllmServer, target: str, v: Variant, out: Scenario) -> None:
+    """BATCH distinct prompts of PROMPT_TOKENS sent at once: computed (and stored), then after
+    vLLM's cache is emptied all loaded from kvtier in the same steps (more blocks than the
+    staging pool's 256 slots), then from vLLM's own cache."""
+    with kvtier.connect(target) as client:
+        held = int(client.stats().snapshot["tiers"]["host"]["resident_blocks"])
+    qs = [prompt(10 + i, PROMPT_TOKENS) for i in range(BATCH)]
+    out.batch["recompute"] = concurrent(server, qs)
+    wait_stored(target, held + v.tp * BATCH * (PROMPT_TOKENS // BLOCK))
+    server.reset_prefix_cache()
+    out.batch["kvtier_host"] = concurrent(server, qs)
+    out.batch["vllm_cache"] = concurrent(server, qs)
 
 
 def restart_sidecar(sidecar: Sidecar, server: VllmServer, v: Variant, out: Scenario) -> Sidecar:
@@ -184,6 +211,13 @@ def print_table(name: str, s: Scenario) -> None:
     for name in ("recompute", "kvtier_host", "vllm_cache", "kvtier_restart", "kvtier_async"):
         r = s.runs[name]
         print(f"{name:<16}{1:>6}{r.ttft_ms:>15.1f}{r.cached_tokens:>16}{base / r.ttft_ms:>13.2f}x")
+    if s.batch:
+        base = sum(r.ttft_ms for r in s.batch["recompute"]) / BATCH
+        for name in ("recompute", "kvtier_host", "vllm_cache"):
+            rs = s.batch[name]
+            mean = sum(r.ttft_ms for r in rs) / BATCH
+            cached = sum(r.cached_tokens for r in rs) // BATCH
+            print(f"{name:<16}{BATCH:>6}{mean:>15.1f}{cached:>16}{base / mean:>13.2f}x")
     if s.reopen_requests:
         away, back = s.runs["sidecar_away"], s.runs["kvtier_reopened"]
         print(f"sidecar killed: a {WARMUP_TOKENS}-token prompt served meanwhile in {away.ttft_ms:.1f} ms (computed); "
@@ -210,6 +244,17 @@ def test_loaded_prefix_decodes_as_vllms_own(scenario: Scenario) -> None:
     for name in ("kvtier_host", "kvtier_restart", "kvtier_async"):
         r = scenario.runs[name]
         assert (r.tokens, r.top_logprobs) == (own.tokens, own.top_logprobs), name
+
+
+def test_a_batch_loads_at_once_and_decodes_as_vllms_own(scenario: Scenario) -> None:
+    """Prompts sent together, their prefixes loaded from kvtier in the same steps (496 blocks
+    through 256 staging slots), each decode as from vLLM's own cache."""
+    if not scenario.batch:
+        pytest.skip("the batch runs under the dense model only")
+    assert all(r.cached_tokens == 0 for r in scenario.batch["recompute"])
+    for r, own in zip(scenario.batch["kvtier_host"], scenario.batch["vllm_cache"]):
+        assert r.cached_tokens == full_prefix()
+        assert (r.tokens, r.top_logprobs) == (own.tokens, own.top_logprobs)
 
 
 def test_a_restarted_sidecar_is_picked_up_again(scenario: Scenario) -> None:
