@@ -8,8 +8,6 @@ scripts/test_connectors.sh in its venv (sglang, torch); not part of `scripts/tes
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,11 +201,11 @@ def test_a_store_that_times_out_gives_up_the_staging_pool(sidecar: Sidecar) -> N
         host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=gen).to(torch.bfloat16))
         keys = hashes(torch.randint(0, 50_000, (4 * PAGE,), generator=gen).tolist())
         old_pool = b._pool
-        os.kill(sidecar.process.pid, signal.SIGSTOP)
+        sidecar.pause()
         try:
             assert b.batch_set_v1(keys, indices(0, 4)) == [False] * 4
         finally:
-            os.kill(sidecar.process.pid, signal.SIGCONT)
+            sidecar.resume()
         assert wait_for(b._session_ok, timeout=30)
         assert b._pool is not old_pool and not old_pool.path.exists(), "a new staging pool"
         assert_pages_round_trip(b, host, keys)

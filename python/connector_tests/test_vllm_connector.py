@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import signal
 import sys
 import threading
 import time
@@ -972,7 +971,7 @@ def test_a_hung_sidecar_holds_the_scheduler_for_one_match_timeout(model_dir: str
     try:
         with engine(config, 41) as (s, w, caches, gen, written):
             prompt, _ = store_prefix(s, w, caches, gen, written)
-            os.kill(sc.process.pid, signal.SIGSTOP)
+            sc.pause()
             try:
                 s.add_request(request("b", prompt[: 3 * BLOCK] + [5] * 3))
                 s.add_request(request("c", [6] + prompt[1 : 3 * BLOCK] + [6] * 3))  # not b's blocks
@@ -980,7 +979,7 @@ def test_a_hung_sidecar_holds_the_scheduler_for_one_match_timeout(model_dir: str
                 out = s.schedule()
                 waited = time.monotonic() - started
             finally:
-                os.kill(sc.process.pid, signal.SIGCONT)
+                sc.resume()
             assert {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs} == {"b": 0, "c": 0}
             assert waited < 10, f"the scheduler waited {waited:.1f} s (one match_timeout_s is 0.5 s)"
             assert s.connector._match_again_at > started, "Match rests after the failed one"
@@ -1007,13 +1006,13 @@ def test_a_store_that_times_out_keeps_its_slots_until_the_session_is_replaced(
     second: Sidecar | None = None
     try:
         with engine(config, 51) as (s, w, caches, gen, written):
-            os.kill(first.process.pid, signal.SIGSTOP)
+            first.pause()
             try:
                 s.add_request(request("a", torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()))
                 run_to_end(s, w, caches, gen, written)  # its 3 blocks' store times out
                 assert len(w._free) == 5 and len(w._unsure) == 1, "the 3 slots are kept from reuse"
             finally:
-                os.kill(first.process.pid, signal.SIGCONT)
+                first.resume()
             first.stop()
             second = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
             assert wait_for(lambda: s.connector._session_ok() and w._session_ok(), timeout=30)
@@ -1044,14 +1043,14 @@ def test_in_place_a_store_that_times_out_keeps_its_requests_blocks(model_dir: st
         gen, written = torch.Generator().manual_seed(61), {}
         try:
             assert w._in_place
-            os.kill(first.process.pid, signal.SIGSTOP)
+            first.pause()
             try:
                 s.add_request(request("a", torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()))
                 for _ in range(3):  # computed, saved (the store times out), finished
                     step(s, w, caches, gen, written)
                 assert "a" in s.requests and len(w._unsure) == 1, "vLLM keeps a's blocks"
             finally:
-                os.kill(first.process.pid, signal.SIGCONT)
+                first.resume()
             first.stop()
             second = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
             assert wait_for(lambda: s.connector._session_ok() and w._session_ok(), timeout=30)

@@ -4,6 +4,7 @@ tests (python/tests/test_client.py). The binary is `$KVTIER_BIN` (conftest.kvtie
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -47,6 +48,21 @@ class Sidecar:
     @property
     def target(self) -> str:
         return f"unix://{self.socket}"
+
+    def pause(self) -> None:
+        """SIGSTOP: the process stays alive and answers nothing; returns once every thread of
+        it is stopped (state T in /proc), so no request still gets through."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+        stat = Path(f"/proc/{self.process.pid}/stat")
+        deadline = time.monotonic() + 10
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvtier serve (pid {self.process.pid}) did not stop")
+            time.sleep(0.001)
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        os.kill(self.process.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         """SIGTERM by PID, then SIGKILL if it has not exited within 20 s."""

@@ -685,13 +685,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forgets the request. A request whose blocks were saved keeps them until the workers
         report its stores done (``get_finished``), because a worker that registered vLLM's KV
-        in place stores straight from those blocks; with ``kv_path`` = ``staging`` the saves
-        copy out within the step, and the blocks are freed at once."""
+        in place stores straight from those blocks; with ``kv_path`` = ``staging`` (and for
+        hybrid models, always staged) the saves copy out within the step, and the blocks are
+        freed at once."""
         st = self._reqs.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
-        if st is None or not st.saved or self._kv_path == "staging":
-            return False, None
+        if st is None or not st.saved or self._kv_path == "staging" or self._num_groups > 1:
+            return False, None  # saves through staging copied the blocks out within the step
         self._delayed_frees.append(request.request_id)
         return True, None
 
