@@ -239,9 +239,9 @@ class AsyncSession:
     async def __aexit__(self, t: type[BaseException] | None, v: BaseException | None, tb: TracebackType | None) -> None:
         await self.close()
 
-    async def _unary(self, method: str, request: Any) -> Any:
+    async def _unary(self, method: str, request: Any, timeout: float | None = None) -> Any:
         self._check()
-        return await self._client.unary(method, request)
+        return await self._client.unary(method, request, timeout)
 
     async def register_pool(self, pool: CpuPool | str | os.PathLike[str], model_id: str, *, tp_rank: int = 0,
                             tp_size: int = 1, geometry: Geometry | None = None,
@@ -263,10 +263,11 @@ class AsyncSession:
         await self._unary("UnregisterPool", pb.UnregisterPoolRequest(session_id=self.id, pool_id=_wire.pool_id(pool)))
 
     async def match(self, pool: PoolRef, keys: KeysLike | None = None, *,
-                    token_ids: Sequence[int] | np.ndarray | None = None, cache_salt: str = "") -> MatchResult:
+                    token_ids: Sequence[int] | np.ndarray | None = None, cache_salt: str = "",
+                    timeout: float | None = None) -> MatchResult:
         """See :meth:`kvtier.Session.match`."""
         return _wire.match_result(await self._unary(
-            "Match", _wire.match_request(self.id, pool, keys, token_ids, cache_salt)))
+            "Match", _wire.match_request(self.id, pool, keys, token_ids, cache_salt), timeout))
 
     def load(self, pool: PoolRef, keys: KeysLike, slots: SlotsLike, *, cache_salt: str = "",
              deadline_ms: int = 0, layer_event_stride: int = 1, done_only: bool = False,
@@ -284,10 +285,10 @@ class AsyncSession:
                                done_only=True, timeout=timeout).wait()
 
     async def store(self, pool: PoolRef, keys: KeysLike, slots: SlotsLike, *, parent: int | None = None,
-                    cache_salt: str = "", durable: bool = False) -> StoreResult:
+                    cache_salt: str = "", durable: bool = False, timeout: float | None = None) -> StoreResult:
         """See :meth:`kvtier.Session.store`."""
         return _wire.store_result(await self._unary(
-            "Store", _wire.store_request(self.id, pool, keys, slots, parent, cache_salt, durable)))
+            "Store", _wire.store_request(self.id, pool, keys, slots, parent, cache_salt, durable), timeout))
 
     async def device_events(self, pool: PoolRef, events: Iterable[DeviceEvent]) -> DeviceEventsResult:
         return _wire.device_events_result(await self._unary(

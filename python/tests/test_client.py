@@ -617,3 +617,43 @@ def test_client_killed_mid_load_leaks_nothing(big_sidecar: tuple[Sidecar, int], 
         h = s.register_pool(p, "killed-mid-load")
         assert s.load_wait(h, h.keys(list(range(4 * s.geometry.block_tokens))), range(4)).loaded_blocks == 4
     client.close()
+
+
+def test_match_and_store_take_a_timeout_under_a_stopped_sidecar(tmp_path: Path) -> None:
+    """A sidecar that is alive but answers nothing (SIGSTOP): match and store give up after
+    their ``timeout`` with DeadlineExceeded, sync and asyncio alike, and work again once it
+    runs."""
+    sc = start_sidecar(tmp_path / "sc")
+    try:
+        with kvtier.connect(sc.target, "timeouts") as s, kvtier.CpuPool.create(s.geometry, 2, tmp_path / "p") as p:
+            h = s.register_pool(p, "timeouts")
+            keys = h.keys(list(range(2 * s.geometry.block_tokens)))
+
+            async def aio_calls() -> None:
+                async with await kvtier.aio.connect(sc.target, "timeouts-aio") as a:
+                    ah = await a.register_pool(p, "timeouts")
+                    sc.pause()
+                    try:
+                        with pytest.raises(kvtier.DeadlineExceeded):
+                            await a.match(ah, keys, timeout=0.3)
+                        with pytest.raises(kvtier.DeadlineExceeded):
+                            await a.store(ah, keys, [0, 1], timeout=0.3)
+                    finally:
+                        sc.resume()
+
+            asyncio.run(aio_calls())
+            sc.pause()
+            try:
+                with pytest.raises(kvtier.DeadlineExceeded):
+                    s.match(h, keys, timeout=0.3)
+                with pytest.raises(kvtier.DeadlineExceeded):
+                    s.store(h, keys, [0, 1], timeout=0.3)
+            finally:
+                sc.resume()
+            # The stores that timed out may have landed when the sidecar ran again: either way
+            # the blocks are stored once.
+            r = s.store(h, keys, [0, 1], timeout=30)
+            assert r.stored_blocks + r.already_stored == 2
+            assert s.match(h, keys, timeout=30).matched_blocks == 2
+    finally:
+        sc.stop()
