@@ -47,12 +47,13 @@ def check(layout: str, layers: int, blocks: int, slots_n: int, heads: int, dim: 
         gen = torch.Generator(device=dev).manual_seed(0)
         sync()
         start = time.perf_counter()
+        run = copies.run([ids], slots)
         for layer in range(layers):
             # The "attention" writes the layer's blocks on the compute stream; the copy must
             # wait for it.
             t = caches[layer]
             t.copy_(torch.randn(t.shape, generator=gen, device=dev).to(torch.bfloat16))
-            copies.copy_layer_in(layer, [ids], slots)
+            copies.copy_layer_in(layer, run)
         copies.done()
         secs = time.perf_counter() - start
         sl = torch.tensor(slots)

@@ -11,6 +11,7 @@ for them. CPU KV: every copy is done when it returns.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -58,6 +59,17 @@ def slot_runs(slots: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+@dataclass(frozen=True)
+class BlockRun:
+    """Engine blocks paired with staging slots, ready for every layer's copy (:meth:`StagedCopies.run`)."""
+
+    slots: list[int]
+    slot_runs: list[tuple[int, int]]
+    slot_idx: torch.Tensor
+    #: Per KV cache group, the engine block indices on the KV's device.
+    idx: list[torch.Tensor]
+
+
 class StagedCopies:
     """Copies blocks of the engine's per-layer KV ``caches`` to and from ``staging`` (a
     ``(layers, slots, 2, token, head, dim)`` tensor over the staging pool's memory). Block ids
@@ -89,27 +101,41 @@ class StagedCopies:
             torch.cuda.cudart().cudaHostUnregister(self.staging.data_ptr())
             self.pinned = False
 
+    def run(self, block_ids: list[list[int]], slots: list[int]) -> BlockRun:
+        """Engine blocks (``block_ids`` per KV cache group) paired with staging ``slots``, their
+        indices made once for every layer's copy. CUDA KV: the indices go to the GPU on the copy
+        stream from page-locked memory, so making them waits for nothing."""
+        if self.stream is None:
+            return BlockRun(slots, slot_runs(slots), torch.tensor(slots, dtype=torch.long),
+                            [torch.tensor(g, dtype=torch.long) for g in block_ids])
+        with torch.cuda.stream(self.stream):
+            idx = [torch.tensor(g, dtype=torch.long).pin_memory().to(self.stream.device, non_blocking=True)
+                   for g in block_ids]
+        return BlockRun(slots, slot_runs(slots), torch.tensor(slots, dtype=torch.long), idx)
+
     def copy_in(self, block_ids: list[list[int]], slots: list[int]) -> None:
         """Engine blocks (``block_ids`` per KV cache group) → staging ``slots``, every layer;
         done when it returns."""
+        run = self.run(block_ids, slots)
         for layer in range(len(self.caches)):
-            self.copy_layer_in(layer, block_ids, slots)
+            self.copy_layer_in(layer, run)
         self.done()
 
-    def copy_layer_in(self, layer: int, block_ids: list[list[int]], slots: list[int]) -> None:
-        """One layer of engine blocks → staging slots. CPU KV: done when it returns. CUDA KV:
-        queued on the copy stream after the work queued so far; :meth:`done` waits for it."""
+    def copy_layer_in(self, layer: int, run: BlockRun) -> None:
+        """One layer of a run's engine blocks → its staging slots. CPU KV: done when it
+        returns. CUDA KV: queued on the copy stream after the work queued so far (the layer's
+        attention), nothing waited for; :meth:`done` waits for it."""
         kv = self.caches[layer]
-        idx = torch.tensor(block_ids[self.layer_groups[layer]], dtype=torch.long, device=kv.device)
+        idx = run.idx[self.layer_groups[layer]]
         if self.stream is None:
             src = blocks_to_kvtier(kv, idx, self.head_dim)
-            self.staging[layer].index_copy_(0, torch.tensor(slots, dtype=torch.long), src.cpu())
+            self.staging[layer].index_copy_(0, run.slot_idx, src)
             return
         self.stream.wait_stream(torch.cuda.current_stream(kv.device))
         with torch.cuda.stream(self.stream):
             src = blocks_to_kvtier(kv, idx, self.head_dim).contiguous()
             start = 0
-            for s0, n in slot_runs(slots):
+            for s0, n in run.slot_runs:
                 self.staging[layer, s0 : s0 + n].copy_(src[start : start + n], non_blocking=self.pinned)
                 start += n
 
@@ -121,9 +147,12 @@ class StagedCopies:
     def copy_out(self, slots: list[int], block_ids: list[list[int]], layers: range) -> None:
         """Staging ``slots`` → engine blocks (``block_ids`` per KV cache group; each layer into
         its group's, none where that is ``NULL_BLOCK``); done when it returns."""
+        per_group: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for ids in block_ids:  # the indices once per group, not per layer
+            pairs = [(s, b) for s, b in zip(slots, ids) if b != NULL_BLOCK]
+            per_group.append((torch.tensor([s for s, _ in pairs], dtype=torch.long),
+                              torch.tensor([b for _, b in pairs], dtype=torch.long)) if pairs else None)
         for layer in layers:
-            pairs = [(s, b) for s, b in zip(slots, block_ids[self.layer_groups[layer]]) if b != NULL_BLOCK]
-            if pairs:
-                sl = torch.tensor([s for s, _ in pairs], dtype=torch.long)
-                idx = torch.tensor([b for _, b in pairs], dtype=torch.long)
+            if (got := per_group[self.layer_groups[layer]]) is not None:
+                sl, idx = got
                 kvtier_to_blocks(self.caches[layer], idx, self.staging[layer].index_select(0, sl))

@@ -113,7 +113,7 @@ from ..results import BlocksMissing, LayerReady, LoadDone, PoolHandle
 from ..session import LoadStream, Session
 from .in_place import NotInPlace, register_in_place
 from .reopen import REOPEN_CONNECT_TIMEOUT_S, Reopener, discard_reopened, outcome_unknown
-from .staged_copies import NULL_BLOCK, StagedCopies, kv_planes
+from .staged_copies import NULL_BLOCK, BlockRun, StagedCopies, kv_planes
 from .staging import add_staging_pool, open_session, open_staging
 
 __all__ = ["NULL_BLOCK", "KvtierConnector", "KvtierConnectorMetadata", "KvtierWorkerMetadata", "LoadSpec",
@@ -320,14 +320,16 @@ class _Fetched:
 
 @dataclass
 class _StagedSave:
-    """The part of a step's save that got staging ``slots`` when the step's first layer was
-    saved: its blocks (per KV cache group) are copied in layer by layer as vLLM writes them
-    (``save_kv_layer``; ``copied``: the layers in), and stored once the step's layers are."""
+    """One of the step's saves through staging, planned at the step's first saved layer: its
+    keys and parent in this rank's namespace, and the ``run`` of its leading blocks that got
+    the staging slots free then (None when none was), copied in layer by layer as vLLM writes
+    them (``save_kv_layer``; ``copied``: the layers in). The rest is copied by
+    ``wait_for_save``, which stores them all."""
 
+    spec: SaveSpec
     keys: BlockKeys
     parent: int | None
-    slots: list[int]
-    block_ids: list[list[int]]
+    run: BlockRun | None
     copied: set[int] = field(default_factory=set)
 
 
@@ -408,9 +410,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_caches: list[torch.Tensor] = []
         #: Copies through the staging pool (None in place).
         self._copies: StagedCopies | None = None
-        #: This step's saves copied in per layer (one entry per ``meta.saves``, None where no
-        #: slot was free), planned for the metadata ``_planned_for``.
-        self._planned: list[_StagedSave | None] = []
+        #: This step's saves through staging (one per ``meta.saves``), planned for the metadata
+        #: ``_planned_for``.
+        self._planned: list[_StagedSave] = []
         self._planned_for: KVConnectorMetadata | None = None
         self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
         self._free: deque[int] = deque()
@@ -1033,22 +1035,23 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if layer is None or self._in_place:
             return
         for p in self._layer_saves():
-            if p is not None and layer not in p.copied:
-                self._staged().copy_layer_in(layer, p.block_ids, p.slots)
+            if p.run is not None and layer not in p.copied:
+                self._staged().copy_layer_in(layer, p.run)
                 p.copied.add(layer)
 
     def _save_keys(self, spec: SaveSpec) -> tuple[BlockKeys, int | None]:
-        """A save's keys and parent in this rank's namespace."""
-        keys = self._worker_keys(spec.keys, spec.token_ids, spec.first_block, spec.cache_salt)
-        parent = spec.parent
-        if self._tp_rank != 0 and spec.first_block and spec.token_ids is not None:
-            parent = self._worker_keys(b"\0" * 16, spec.token_ids, spec.first_block - 1, spec.cache_salt)[0]
-        return keys, parent
+        """A save's keys and parent in this rank's namespace (ranks other than 0 hash the
+        prefix's tokens once for both)."""
+        if self._tp_rank == 0 or spec.token_ids is None:
+            return BlockKeys(spec.keys), spec.parent
+        _, handle = self._ready()
+        every = handle.keys(spec.token_ids, cache_salt=spec.cache_salt)
+        first = spec.first_block
+        return every[first : first + len(BlockKeys(spec.keys))], (every[first - 1] if first else None)
 
-    def _layer_saves(self) -> list[_StagedSave | None]:
-        """This step's saves through staging that are copied in per layer: planned at the
-        step's first saved layer, each with the staging slots free then (none is waited for;
-        blocks past them are copied and stored by :meth:`wait_for_save`)."""
+    def _layer_saves(self) -> list[_StagedSave]:
+        """This step's saves through staging, planned at the step's first saved layer: each
+        with the staging slots free then for its leading blocks (none is waited for)."""
         if self._in_place or not self.has_connector_metadata() or self._session is None or self._session.closed:
             return []
         meta = self._get_connector_metadata()
@@ -1061,7 +1064,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             with self._slot_lock:
                 slots = [self._free.popleft() for _ in range(min(len(keys), len(self._free)))]
             n = len(slots)
-            self._planned.append(_StagedSave(keys[:n], parent, slots, [g[:n] for g in spec.by_group()]) if n else None)
+            run = self._staged().run([g[:n] for g in spec.by_group()], slots) if n else None
+            self._planned.append(_StagedSave(spec, keys, parent, run))
         return self._planned
 
     def wait_for_save(self) -> None:
@@ -1077,34 +1081,36 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, KvtierConnectorMetadata)
         if not self._session_ok():  # the sidecar is away: this step's saves are skipped
             if self._planned_for is meta:
-                self._give_slots([x for p in self._planned if p is not None for x in p.slots])
+                self._give_slots([x for p in self._planned if p.run is not None for x in p.run.slots])
             self._planned_for, self._planned = None, []
             return
         session, handle = self._ready()
         assert self._executor is not None
-        computed: torch.cuda.Event | None = None
-        if self._in_place and meta.saves and self._kv_caches[0].is_cuda:
-            computed = torch.cuda.Event()
-            computed.record()
-        planned = self._layer_saves()
-        for p in planned:  # layers vLLM did not save one by one
-            for layer in range(self._geometry.layers):
-                if p is not None and layer not in p.copied:
-                    self._staged().copy_layer_in(layer, p.block_ids, p.slots)
-        if self._copies is not None:
-            self._copies.done()
-        self._planned_for, self._planned = None, []
-        for i, spec in enumerate(meta.saves):
-            keys, parent = self._save_keys(spec)
-            if self._in_place:
+        if self._in_place:
+            computed: torch.cuda.Event | None = None
+            if meta.saves and self._kv_caches[0].is_cuda:
+                computed = torch.cuda.Event()
+                computed.record()
+            for spec in meta.saves:
+                keys, parent = self._save_keys(spec)
                 self._submit_store(spec.req_id, session, handle, keys, list(spec.block_ids), parent,
                                    spec.cache_salt, computed)
-                continue
-            done = 0
-            p = planned[i] if i < len(planned) else None
-            if p is not None:
-                self._submit_store(spec.req_id, session, handle, p.keys, p.slots, parent, spec.cache_salt, None)
-                parent, done = p.keys[-1], len(p.slots)
+            self._reap(block=False)
+            return
+        plan = self._layer_saves()
+        for p in plan:  # layers vLLM did not save one by one
+            for layer in range(self._geometry.layers):
+                if p.run is not None and layer not in p.copied:
+                    self._staged().copy_layer_in(layer, p.run)
+        self._staged().done()
+        self._planned_for, self._planned = None, []
+        for p in plan:
+            spec, keys, parent, done = p.spec, p.keys, p.parent, 0
+            if p.run is not None:
+                done = len(p.run.slots)
+                self._submit_store(spec.req_id, session, handle, keys[:done], p.run.slots, parent, spec.cache_salt,
+                                   None)
+                parent = keys[done - 1]
             by_group = spec.by_group()
             while done < len(keys):
                 try:
