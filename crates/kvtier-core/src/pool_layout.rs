@@ -965,7 +965,7 @@ mod tests {
     fn brute_force_fits(layout: &PoolLayout, g: &KvGeometry, slots: u32, bytes: u64) -> bool {
         let mut owner = vec![0u8; bytes as usize];
         let unit = head_bytes(g);
-        for (l, layer) in layout.layers().iter().enumerate() {
+        for layer in layout.layers() {
             let (ts, hs) = layer.strides(g);
             for s in 0..u64::from(slots) {
                 for t in 0..u64::from(g.block_tokens()) {
@@ -985,7 +985,6 @@ mod tests {
                     }
                 }
             }
-            let _ = l;
         }
         true
     }

@@ -532,7 +532,7 @@ impl DiskTier {
             let mut active = lock_poisoned(inner.active.lock());
             active.region = None;
             for id in regions {
-                inner.reclaim(id);
+                inner.drop_region(id, false); // the caller says Cleared once
             }
             inner.index.clear();
             return Ok(before);

@@ -195,6 +195,12 @@ impl Inner {
     /// Drops region `id`: its entries leave the index, its files are deleted (readers that
     /// still hold it finish from the open descriptor).
     pub(super) fn reclaim(&self, id: u64) {
+        self.drop_region(id, true);
+    }
+
+    /// Removes region `id` and its index entries; `notify`: each entry dropped goes to the
+    /// reclaim hook (evictions name their blocks; a clear says `Cleared` once instead).
+    pub(super) fn drop_region(&self, id: u64, notify: bool) {
         let Some(region) = lock_poisoned(self.regions.write()).remove(&id) else {
             return;
         };
@@ -202,7 +208,9 @@ impl Inner {
         for r in region.records().iter() {
             if self.index.remove_if(&r.key, |_, l| l.region == id).is_some() {
                 dropped += 1;
-                self.on_reclaim.call(r.ns, r.key);
+                if notify {
+                    self.on_reclaim.call(r.ns, r.key);
+                }
             }
         }
         let _ = std::fs::remove_file(&region.path);

@@ -471,8 +471,9 @@ fn only_blocks_that_leave_both_tiers_are_removals() {
     let store = TieredStore::new(host.clone(), Some(disk.clone()), WritePolicy::All, 1);
     let mut rx = store.removals().subscribe();
     let ks = keys(20, 77);
-    // ks[0] goes to the disk; ks[1] does not. Both are then evicted from the host.
-    write_all(&disk, &ks[..1]);
+    // ks[0] and ks[2] go to the disk; ks[1] does not. The host then evicts ks[0] and ks[1]
+    // and keeps ks[2] and ks[3].
+    write_all(&disk, &[ks[0], ks[2]]);
     for &k in &ks[..4] {
         let Reservation::Writer(w) = host.reserve(NS, k, None).unwrap() else {
             panic!("fresh key");
@@ -481,14 +482,18 @@ fn only_blocks_that_leave_both_tiers_are_removals() {
     }
     let heard: Vec<Removed> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
     assert_eq!(heard, vec![Removed::Block(NS, ks[1])], "ks[0] is still on disk");
-    // 16 more blocks on disk: two regions of 8 each, so the oldest (ks[0] and 7 others) goes.
+    // 16 more blocks on disk: two regions of 8 each, so the oldest (ks[0], ks[2] and 6
+    // others) goes. ks[2] is still in the host: not removed.
     write_all(&disk, &ks[4..20]);
     let heard: Vec<Removed> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
     assert!(heard.contains(&Removed::Block(NS, ks[0])), "{heard:?}");
+    assert!(heard.contains(&Removed::Block(NS, ks[4])), "{heard:?}");
     assert!(
-        !heard
-            .iter()
-            .any(|r| matches!(r, Removed::Block(_, k) if *k == ks[2] || *k == ks[3])),
-        "ks[2] and ks[3] are in the host: {heard:?}"
+        !heard.contains(&Removed::Block(NS, ks[2])),
+        "ks[2] is in the host: {heard:?}"
     );
+    // Clearing everything says so once; it does not name each disk block.
+    store.clear(None).unwrap();
+    let heard: Vec<Removed> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
+    assert_eq!(heard, vec![Removed::Cleared]);
 }

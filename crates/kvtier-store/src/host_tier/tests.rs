@@ -440,8 +440,7 @@ fn each_admission_threshold_is_reached_on_its_own_match() {
     assert_eq!(t.match_prefix_counting(NS, &keys, [0]).1, [Vec::<usize>::new()]);
 }
 
-/// Evictions reach the tiered store's removal feed, named; a clear says so; nothing is queued
-/// while nobody watches.
+/// Evictions reach the tiered store's removal feed, named; a clear says so.
 #[test]
 fn evictions_and_clears_reach_the_removal_feed() {
     use crate::{Removed, TieredStore};
