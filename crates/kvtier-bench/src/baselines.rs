@@ -71,7 +71,12 @@ impl CopyBaseline {
                         let mut left = per_thread as usize;
                         while left > 0 {
                             let n = left.min(share);
-                            ShmRegion::copy_as(self.kind, &self.src, i * share, &self.dst, i * share, n)?;
+                            ShmRegion::copy_ranges(
+                                self.kind,
+                                &self.src,
+                                &self.dst,
+                                [(i * share, i * share, n)],
+                            )?;
                             left -= n;
                         }
                         Ok((start, Instant::now()))

@@ -836,44 +836,25 @@ impl KvTier for KvTierService {
                 ))
             };
             let tier = tier_filter_from_proto("tier", r.tier).map_err(|_| refuse())?;
-            let (host_tier, disk_tier, remote_tier) = match tier {
-                None => (true, true, false),
-                Some(Tier::Host) => (true, false, false),
-                Some(Tier::Disk) => (false, true, false),
-                Some(Tier::Remote) => (false, false, true),
+            let tiers: &'static [Tier] = match tier {
+                None => &[Tier::Host, Tier::Disk],
+                Some(Tier::Host) => &[Tier::Host],
+                Some(Tier::Disk) => &[Tier::Disk],
+                Some(Tier::Remote) => &[Tier::Remote],
                 Some(Tier::Device) => return Err(refuse()),
             };
-            if remote_tier && self.state.store.remote().is_none() {
+            if tier == Some(Tier::Remote) && self.state.store.remote().is_none() {
                 return Err(ServerError::Unsupported(
                     "clearing TIER_REMOTE on a sidecar without a remote tier (remote.nodes)".into(),
                 ));
             }
             let state = Arc::clone(&self.state);
-            let (host, kept, disk, remote) = blocking(move || {
-                let (host, kept) = if host_tier {
-                    state.store.host().clear(ns)
-                } else {
-                    (0, 0)
-                };
-                let disk = match state.store.disk() {
-                    Some(d) if disk_tier => d.clear(ns)?,
-                    _ => 0,
-                };
-                let remote = match state.store.remote() {
-                    Some(r) if remote_tier => r.clear(ns)?,
-                    _ => 0,
-                };
-                if host + disk > 0 {
-                    state.store.removals().cleared();
-                }
-                Ok((host, kept, disk, remote))
-            })
-            .await?;
+            let cleared = blocking(move || Ok(state.store.clear_tiers(ns, tiers)?)).await?;
             Ok(proto::ClearResponse {
-                host_blocks: host,
-                disk_blocks: disk,
-                kept_pinned: kept,
-                remote_blocks: remote,
+                host_blocks: cleared.host_blocks,
+                disk_blocks: cleared.disk_blocks,
+                kept_pinned: cleared.kept_pinned,
+                remote_blocks: cleared.remote_blocks,
             })
         })
         .await

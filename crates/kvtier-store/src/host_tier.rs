@@ -311,10 +311,11 @@ impl HostTier {
             return Ok(r);
         }
         let mut st = inner.lock_alloc();
-        let page = match st.free.pop() {
-            Some(p) => p,
+        // The block evicted for this page, if any: the hook hears of it once the lock is gone.
+        let (page, evicted) = match st.free.pop() {
+            Some(p) => (p, None),
             None => match inner.evict_one(&mut st) {
-                Some(p) => p,
+                Some((p, gone)) => (p, Some(gone)),
                 None => {
                     inner.counters.no_space.fetch_add(1, Ordering::Relaxed);
                     return Err(StoreError::NoSpace {
@@ -341,6 +342,9 @@ impl HostTier {
         // that shard, and reading it under the entry deadlocked this thread on itself.
         if inserted {
             drop(st);
+            if let Some((ns, gone)) = evicted {
+                inner.on_evict.call(ns, gone);
+            }
             return Ok(Reservation::Writer(PageWriter::new(
                 HostPage::new(Arc::clone(inner), page, key),
                 parent,
@@ -350,6 +354,9 @@ impl HostTier {
         meta.state.store(FREE, Ordering::Release);
         st.free.push(page);
         drop(st);
+        if let Some((ns, gone)) = evicted {
+            inner.on_evict.call(ns, gone);
+        }
         Ok(self.existing(key).unwrap_or(Reservation::InFlight))
     }
 
@@ -460,8 +467,9 @@ impl HostTier {
             .is_some_and(|p| inner.meta[*p as usize].state.load(Ordering::Acquire) == WRITING)
     }
 
-    /// Calls `hook` with each block the tier evicts, under its allocation lock (set once; a
-    /// second hook is ignored).
+    /// Calls `hook` with each block the tier evicts, after the eviction, outside the tier's
+    /// allocation lock (so the hook may look at other tiers, or at this one); by then the
+    /// block may be back (set once; a second hook is ignored).
     pub(crate) fn set_eviction_hook(&self, hook: DropHook) {
         self.inner.on_evict.set(hook);
     }
@@ -597,15 +605,16 @@ impl Inner {
         self.alloc.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Asks the policy for a victim and frees it; the page is returned for immediate reuse.
-    fn evict_one(&self, st: &mut AllocState) -> Option<PageId> {
+    /// Asks the policy for a victim and frees it; the page is returned for immediate reuse,
+    /// with the block it held (for the eviction hook, which the caller calls once it has let
+    /// the allocation lock go).
+    fn evict_one(&self, st: &mut AllocState) -> Option<(PageId, (NamespaceFingerprint, BlockKey))> {
         let AllocState { policy, links, .. } = st;
         let page = policy.evict(&mut |p| self.try_free_links(links, p, true))?;
         self.counters.evictions.fetch_add(1, Ordering::Relaxed);
         // The page is not reused before this returns (the allocation lock is held).
         let meta = &self.meta[page as usize];
-        self.on_evict.call(meta.ns(), meta.key());
-        Some(page)
+        Some((page, (meta.ns(), meta.key())))
     }
 
     fn try_free(&self, st: &mut AllocState, page: PageId, require_leaf: bool) -> bool {

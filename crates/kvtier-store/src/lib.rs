@@ -46,4 +46,6 @@ pub use host_tier::{
 pub use remote_tier::{DropReason, RemoteReads, RemoteTier, RemoteTierConfig, RemoteTierStats};
 pub use removal_feed::{RemovalFeed, Removed};
 pub use shm_region::{CopyKind, Prefault, ShmRegion};
-pub use tiered_store::{PrefixMatch, TieredStore, TieredStoreConfig, TieredStoreStats, WritePolicy};
+pub use tiered_store::{
+    ClearedBlocks, PrefixMatch, TieredStore, TieredStoreConfig, TieredStoreStats, WritePolicy,
+};

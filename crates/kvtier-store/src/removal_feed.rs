@@ -41,12 +41,6 @@ impl RemovalFeed {
         self.tx.subscribe()
     }
 
-    /// Tells the watchers that a clear removed blocks (for clears made tier by tier, outside
-    /// [`crate::TieredStore::clear`]).
-    pub fn cleared(&self) {
-        self.send(Removed::Cleared);
-    }
-
     /// Whether anyone watches (the hooks skip their lookups otherwise).
     pub(crate) fn watched(&self) -> bool {
         self.tx.receiver_count() > 0
@@ -66,8 +60,9 @@ impl Default for RemovalFeed {
     }
 }
 
-/// What a tier calls for each block it drops (under its own locks: it must be quick and must
-/// not call back into that tier's allocation).
+/// What a tier calls for each block it drops: the host tier once its allocation lock is gone,
+/// the disk tier under its region lock (so it must be quick and must not call back into the
+/// disk tier).
 pub(crate) type DropHook = Box<dyn Fn(NamespaceFingerprint, BlockKey) + Send + Sync>;
 
 /// A tier's [`DropHook`], set once.

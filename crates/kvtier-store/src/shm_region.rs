@@ -500,7 +500,8 @@ impl ShmRegion {
     }
 
     /// Copies `len` bytes from `src` at `src_offset` to `dst` at `dst_offset`: the one copy every
-    /// transfer between a host page and a CPU device slot makes.
+    /// transfer between a host page and a CPU device slot makes where the block-layer is one
+    /// run ([`ShmRegion::copy_ranges`] with one range).
     ///
     /// # Errors
     /// [`StoreError::OutOfBounds`] if either range does not fit, or if `src` and `dst` are the
@@ -512,7 +513,7 @@ impl ShmRegion {
         dst_offset: usize,
         len: usize,
     ) -> Result<(), StoreError> {
-        Self::copy_as(CopyKind::Streaming, src, src_offset, dst, dst_offset, len)
+        Self::copy_ranges(CopyKind::Streaming, src, dst, [(src_offset, dst_offset, len)])
     }
 
     /// Both ranges of a copy inside their regions, and apart where the regions are one.
@@ -536,69 +537,57 @@ impl ShmRegion {
         Ok(())
     }
 
-    /// Copies several ranges `(src_offset, dst_offset, len)` from `src` to `dst`, each checked
-    /// as [`ShmRegion::copy`] checks one, with the fault check and the store fence once at the
-    /// end: for layouts that split a block-layer into many short pieces (one per token and
-    /// head), where per-copy overhead would rival the copy. Pieces of 64 bytes or more are
-    /// stored non-temporally (meant for block-layer-sized batches, like the large copies). A
-    /// fault or a bad range fails the whole call (ranges before it may have been written; the
-    /// fence runs either way).
+    /// Copies the ranges `(src_offset, dst_offset, len)` from `src` to `dst`: one logical copy
+    /// (a block-layer) in one piece or in many (layouts that keep K and V apart, or split them
+    /// per token and head). How it copies is one rule for both ([`CopyKind`]): with
+    /// [`CopyKind::Streaming`], when the pieces add up to [`STREAM_MIN_BYTES`] or more, each
+    /// piece of 64 bytes or more is stored non-temporally; everything else goes through
+    /// `memcpy`. The fault check and the store fence run once, at the end.
+    ///
+    /// A fault or a bad range fails the whole call (ranges before it may have been written;
+    /// the fence runs either way).
     ///
     /// # Errors
-    /// As [`ShmRegion::copy`], for the first range at fault.
-    pub fn copy_many(
-        src: &ShmRegion,
-        dst: &ShmRegion,
-        ranges: impl IntoIterator<Item = (usize, usize, usize)>,
-    ) -> Result<(), StoreError> {
-        let copied: Result<(), StoreError> =
-            ranges.into_iter().try_for_each(|(src_offset, dst_offset, len)| {
-                Self::check_copy(src, src_offset, dst, dst_offset, len)?;
-                // SAFETY: as in `copy_as`: both ranges are inside their mappings and disjoint.
-                unsafe {
-                    copy_unfenced(
-                        src.map.as_ptr().add(src_offset),
-                        dst.map.as_mut_ptr().add(dst_offset),
-                        len,
-                        64,
-                    );
-                }
-                Ok(())
-            });
-        fence_streams();
-        copied?;
-        src.check_fault()?;
-        dst.check_fault()
-    }
-
-    /// [`ShmRegion::copy`] with the copy routine named: what the benchmarks' baselines compare
-    /// kvtier's copies with.
-    ///
-    /// # Errors
-    /// As [`ShmRegion::copy`].
-    pub fn copy_as(
+    /// [`StoreError::OutOfBounds`] for the first range that does not fit, or that overlaps
+    /// itself where `src` and `dst` are the same region;
+    /// [`StoreError::RegionUnusable`] if either region's file shrank under it.
+    pub fn copy_ranges<I>(
         kind: CopyKind,
         src: &ShmRegion,
-        src_offset: usize,
         dst: &ShmRegion,
-        dst_offset: usize,
-        len: usize,
-    ) -> Result<(), StoreError> {
-        Self::check_copy(src, src_offset, dst, dst_offset, len)?;
-        // SAFETY: both ranges are inside their mappings (checked above) and do not overlap
-        // (different mappings of distinct memory, or disjoint ranges of one mapping). Two
-        // mappings of the same file at overlapping ranges are excluded by the pool/arena
-        // ownership protocol.
-        unsafe {
-            let (from, to) = (
-                src.map.as_ptr().add(src_offset),
-                dst.map.as_mut_ptr().add(dst_offset),
-            );
-            match kind {
-                CopyKind::Streaming => copy_bytes(from, to, len),
-                CopyKind::Memcpy => std::ptr::copy_nonoverlapping(from, to, len),
-            }
+        ranges: I,
+    ) -> Result<(), StoreError>
+    where
+        I: IntoIterator<Item = (usize, usize, usize)>,
+        I::IntoIter: Clone,
+    {
+        let ranges = ranges.into_iter();
+        let total: usize = ranges.clone().map(|r| r.2).sum();
+        let stream_from = match kind {
+            CopyKind::Streaming if total >= STREAM_MIN_BYTES => STREAM_MIN_PIECE,
+            _ => usize::MAX,
+        };
+        let mut streamed = false;
+        let copied: Result<(), StoreError> = ranges.into_iter().try_for_each(|(s, d, len)| {
+            Self::check_copy(src, s, dst, d, len)?;
+            // SAFETY: both ranges are inside their mappings (checked above) and do not overlap
+            // (different mappings of distinct memory, or disjoint ranges of one mapping). Two
+            // mappings of the same file at overlapping ranges are excluded by the pool/arena
+            // ownership protocol.
+            streamed |= unsafe {
+                copy_unfenced(
+                    src.map.as_ptr().add(s),
+                    dst.map.as_mut_ptr().add(d),
+                    len,
+                    stream_from,
+                )
+            };
+            Ok(())
+        });
+        if streamed {
+            fence_streams();
         }
+        copied?;
         src.check_fault()?;
         dst.check_fault()
     }
@@ -729,11 +718,11 @@ impl Drop for ShmRegion {
     }
 }
 
-/// How [`ShmRegion::copy_as`] copies.
+/// How [`ShmRegion::copy_ranges`] copies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CopyKind {
     /// What kvtier's transfers use: non-temporal stores for copies of 64 KiB or more on
-    /// x86-64, `memcpy` below that.
+    /// x86-64 (their pieces of 64 bytes or more), `memcpy` below that.
     Streaming,
     /// The C library's `memcpy`, whatever the size.
     Memcpy,
@@ -743,8 +732,11 @@ pub enum CopyKind {
 /// read back by another process or much later, if at all, and streaming stores skip the
 /// read-for-ownership of every destination line (~1.5x the bandwidth of `memcpy` here for
 /// 128 KiB pieces). Smaller copies use `memcpy`.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const STREAM_MIN_BYTES: usize = 64 << 10;
+
+/// Pieces of a streamed copy shorter than this use `memcpy`: a 16-byte-aligned run of
+/// non-temporal stores needs a few lines to pay for its unaligned head and tail.
+const STREAM_MIN_PIECE: usize = 64;
 
 /// Copies `len` bytes from `src` to `dst`: non-temporal 16-byte stores for large copies on
 /// x86-64 (SSE2 is part of its baseline), `memcpy` otherwise. The stores are fenced before it
@@ -761,7 +753,7 @@ unsafe fn copy_bytes(src: *const u8, dst: *mut u8, len: usize) {
 }
 
 /// Copies `len` bytes, streamed (non-temporal stores, not fenced) when `len >= stream_from` on
-/// x86-64, else with `memcpy`; whether it streamed. [`ShmRegion::copy_many`] streams each of
+/// x86-64, else with `memcpy`; whether it streamed. [`ShmRegion::copy_ranges`] streams each of
 /// many short pieces of one large copy and fences once after the last ([`fence_streams`]).
 ///
 /// # Safety
@@ -863,35 +855,45 @@ mod tests {
     }
     use super::*;
 
-    /// Many pieces of every length around the streaming cutoff and both alignments land where
-    /// they are asked to and nowhere else; a bad range fails the call; a range overlapping
+    /// Many pieces of every length and both alignments land where they are asked to and
+    /// nowhere else, streamed (a large piece brings the copy to the streaming size) or not
+    /// (the short pieces alone, or `Memcpy`); a bad range fails the call; a range overlapping
     /// itself in one region is refused.
     #[test]
-    fn copy_many_places_every_piece_and_checks_each_range() {
-        let src = ShmRegion::create_anonymous("src", 1 << 16, Prefault::Touch).unwrap();
-        let dst = ShmRegion::create_anonymous("dst", 1 << 16, Prefault::Touch).unwrap();
-        let data: Vec<u8> = (0..1 << 16).map(|i: u32| (i * 31 + 7) as u8).collect();
+    fn copy_ranges_places_every_piece_and_checks_each_range() {
+        const N: usize = 1 << 18;
+        let src = ShmRegion::create_anonymous("src", N, Prefault::Touch).unwrap();
+        let dst = ShmRegion::create_anonymous("dst", N, Prefault::Touch).unwrap();
+        let data: Vec<u8> = (0..N as u32).map(|i| (i * 31 + 7) as u8).collect();
         src.write(0, &data).unwrap();
-        dst.fill(0, 1 << 16, 0xAA).unwrap();
         // (src offset, dst offset, len): lengths 1..300 at odd and aligned offsets, apart.
-        let ranges: Vec<(usize, usize, usize)> = (1..300usize)
+        let short: Vec<(usize, usize, usize)> = (1..300usize)
             .map(|len| (len * 97 % 5000, 200 * len + (len % 3) * 5, len))
             .collect();
-        ShmRegion::copy_many(&src, &dst, ranges.iter().copied()).unwrap();
-        let mut out = vec![0u8; 1 << 16];
-        dst.read(0, &mut out).unwrap();
-        let mut expect = vec![0xAAu8; 1 << 16];
-        for &(s, d, len) in &ranges {
-            expect[d..d + len].copy_from_slice(&data[s..s + len]);
+        let mut long = short.clone();
+        long.push((70_001, 70_000, STREAM_MIN_BYTES + 3));
+        for (ranges, kind) in [
+            (&short, CopyKind::Streaming),
+            (&long, CopyKind::Streaming),
+            (&long, CopyKind::Memcpy),
+        ] {
+            dst.fill(0, N, 0xAA).unwrap();
+            ShmRegion::copy_ranges(kind, &src, &dst, ranges.iter().copied()).unwrap();
+            let mut out = vec![0u8; N];
+            dst.read(0, &mut out).unwrap();
+            let mut expect = vec![0xAAu8; N];
+            for &(s, d, len) in ranges {
+                expect[d..d + len].copy_from_slice(&data[s..s + len]);
+            }
+            assert!(out == expect, "{} ranges, {kind:?}", ranges.len());
         }
-        assert!(out == expect);
-        let bad = [(0, 0, 64), (65_500, 0, 64)];
+        let bad = [(0, 0, 64), (N - 36, 0, 64)];
         assert!(matches!(
-            ShmRegion::copy_many(&src, &dst, bad),
-            Err(StoreError::OutOfBounds { offset: 65_500, .. })
+            ShmRegion::copy_ranges(CopyKind::Streaming, &src, &dst, bad),
+            Err(StoreError::OutOfBounds { offset, .. }) if offset == N - 36
         ));
-        assert!(ShmRegion::copy_many(&src, &src, [(0, 32, 64)]).is_err());
-        ShmRegion::copy_many(&src, &src, [(0, 64, 64)]).unwrap();
+        assert!(ShmRegion::copy_ranges(CopyKind::Streaming, &src, &src, [(0, 32, 64)]).is_err());
+        ShmRegion::copy_ranges(CopyKind::Streaming, &src, &src, [(0, 64, 64)]).unwrap();
     }
 
     #[test]

@@ -94,6 +94,19 @@ impl PrefixMatch {
     }
 }
 
+/// What [`TieredStore::clear_tiers`] removed, tier by tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClearedBlocks {
+    /// Blocks removed from host memory.
+    pub host_blocks: u64,
+    /// Host blocks kept because they were pinned.
+    pub kept_pinned: u64,
+    /// Blocks removed from disk.
+    pub disk_blocks: u64,
+    /// Blocks removed from the remote tier.
+    pub remote_blocks: u64,
+}
+
 /// Counters of every tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct TieredStoreStats {
@@ -159,16 +172,22 @@ impl TieredStore {
         // A block leaves kvtier when the last of host and disk drops it. Each tier's hook
         // holds the other weakly (no cycle keeps the tiers alive).
         let disk_ref = disk.as_ref().map(DiskTier::downgrade);
+        let host_ref = host.downgrade();
         let feed = removals.clone();
         host.set_eviction_hook(Box::new(move |ns, key| {
             if !feed.watched() {
                 return;
             }
+            // Called after the eviction, outside the host's allocation lock: the block may be
+            // back in host memory (stored again) by now, or on disk.
+            let back = host_ref
+                .upgrade()
+                .is_some_and(|h| h.contains(ns, key) || h.is_writing(key));
             let on_disk = disk_ref
                 .as_ref()
                 .and_then(|d| d.upgrade())
                 .is_some_and(|d| d.contains(ns, key));
-            if !on_disk {
+            if !back && !on_disk {
                 feed.send(Removed::Block(ns, key));
             }
         }));
@@ -312,20 +331,44 @@ impl TieredStore {
     /// Forgets every block of `ns` (or of all namespaces) in host memory and on disk, except
     /// host blocks pinned right now. Returns blocks removed from host memory and from disk.
     /// The remote tier, shared by the fleet, is cleared only by name
-    /// ([`RemoteTier::clear`]).
+    /// ([`TieredStore::clear_tiers`]).
     ///
     /// # Errors
     /// The disk tier's errors.
     pub fn clear(&self, ns: Option<NamespaceFingerprint>) -> Result<(u64, u64), StoreError> {
-        let (host, _) = self.host.clear(ns);
-        let disk = match &self.disk {
-            Some(d) => d.clear(ns)?,
-            None => 0,
-        };
-        if host + disk > 0 {
+        let c = self.clear_tiers(ns, &[Tier::Host, Tier::Disk])?;
+        Ok((c.host_blocks, c.disk_blocks))
+    }
+
+    /// Forgets every block of `ns` (or of all namespaces) in the `tiers` named, except host
+    /// blocks pinned right now; [`Tier::Device`] (engine memory, not the store's) and tiers the
+    /// store lacks are passed over. The removal feed hears [`Removed::Cleared`] once if blocks
+    /// left host memory or disk, even when a later tier's clear fails.
+    ///
+    /// # Errors
+    /// The disk or remote tier's errors (the tiers before it are cleared by then).
+    pub fn clear_tiers(
+        &self,
+        ns: Option<NamespaceFingerprint>,
+        tiers: &[Tier],
+    ) -> Result<ClearedBlocks, StoreError> {
+        let mut out = ClearedBlocks::default();
+        if tiers.contains(&Tier::Host) {
+            (out.host_blocks, out.kept_pinned) = self.host.clear(ns);
+        }
+        let rest = (|| {
+            if let Some(d) = self.disk.as_ref().filter(|_| tiers.contains(&Tier::Disk)) {
+                out.disk_blocks = d.clear(ns)?;
+            }
+            if let Some(r) = self.remote.as_ref().filter(|_| tiers.contains(&Tier::Remote)) {
+                out.remote_blocks = r.clear(ns)?;
+            }
+            Ok(())
+        })();
+        if out.host_blocks + out.disk_blocks > 0 {
             self.removals.send(Removed::Cleared);
         }
-        Ok((host, disk))
+        rest.map(|()| out)
     }
 
     /// Counters of every tier.

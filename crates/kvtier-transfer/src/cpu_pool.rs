@@ -6,7 +6,7 @@ use std::io::Read;
 use std::path::Path;
 
 use kvtier_core::{Dtype, KvGeometry, LayoutError, LayoutKind, PoolLayout, SlotPieces, xxh3_64};
-use kvtier_store::{Prefault, ShmRegion, StoreError};
+use kvtier_store::{CopyKind, Prefault, ShmRegion, StoreError};
 
 use crate::{CopyDirection, CopyTicket, DevicePool, SlotCopy, TransferError};
 
@@ -337,8 +337,8 @@ impl DevicePool for CpuDevicePool {
     fn device_kind(&self) -> &'static str {
         "cpu"
     }
-    /// Copies the batch before returning (one copy per block-layer where V follows K, one per
-    /// piece otherwise: K and V apart, or split per token and head).
+    /// Copies the batch before returning: each block-layer as one [`ShmRegion::copy_ranges`]
+    /// (one piece where V follows K; K and V apart, or split per token and head, otherwise).
     fn submit(
         &self,
         direction: CopyDirection,
@@ -353,9 +353,7 @@ impl DevicePool for CpuDevicePool {
             (&self.region, host)
         };
         for c in copies {
-            let pieces = self.pieces(c.slot, layer)?;
-            let many = pieces.len() > 1;
-            let ranges = pieces.map(|p| {
+            let ranges = self.pieces(c.slot, layer)?.map(|p| {
                 let (slot, page) = (p.offset as usize, c.host_offset + p.at);
                 if to_device {
                     (page, slot, p.len)
@@ -363,14 +361,7 @@ impl DevicePool for CpuDevicePool {
                     (slot, page, p.len)
                 }
             });
-            if many {
-                ShmRegion::copy_many(src, dst, ranges)
-            } else {
-                ranges
-                    .into_iter()
-                    .try_for_each(|(s, d, len)| ShmRegion::copy(src, s, dst, d, len))
-            }
-            .map_err(|e| self.copy_error(e))?;
+            ShmRegion::copy_ranges(CopyKind::Streaming, src, dst, ranges).map_err(|e| self.copy_error(e))?;
         }
         Ok(CopyTicket::done())
     }

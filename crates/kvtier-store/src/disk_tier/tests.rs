@@ -496,4 +496,35 @@ fn only_blocks_that_leave_both_tiers_are_removals() {
     store.clear(None).unwrap();
     let heard: Vec<Removed> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
     assert_eq!(heard, vec![Removed::Cleared]);
+    // Tier by tier: each clear says Cleared once if it removed anything; a tier the store
+    // lacks (remote) and one holding nothing clear nothing and say nothing.
+    use crate::ClearedBlocks;
+    use kvtier_core::Tier;
+    write_all(&disk, &ks[..3]);
+    for &k in &ks[..2] {
+        let Reservation::Writer(w) = host.reserve(NS, k, None).unwrap() else {
+            panic!("cleared key");
+        };
+        w.commit();
+    }
+    let mut clear = |tiers: &[Tier]| {
+        let c = store.clear_tiers(Some(NS), tiers).unwrap();
+        (c, std::iter::from_fn(|| rx.try_recv().ok()).collect::<Vec<_>>())
+    };
+    let none = ClearedBlocks::default();
+    assert_eq!(clear(&[Tier::Remote, Tier::Device]), (none, vec![]));
+    let host_only = ClearedBlocks {
+        host_blocks: 2,
+        ..none
+    };
+    assert_eq!(clear(&[Tier::Host]), (host_only, vec![Removed::Cleared]));
+    assert_eq!(clear(&[Tier::Host]), (none, vec![]));
+    let disk_only = ClearedBlocks {
+        disk_blocks: 3,
+        ..none
+    };
+    assert_eq!(
+        clear(&[Tier::Disk, Tier::Remote]),
+        (disk_only, vec![Removed::Cleared])
+    );
 }
