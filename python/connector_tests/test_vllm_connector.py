@@ -945,8 +945,11 @@ def test_a_restarted_sidecar_is_reconnected_and_vllm_computes_meanwhile(model_di
             assert not any(o.kv_connector_metadata.loads for o in outs)
 
             second = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
-            # Each side reopens on a thread of its own and takes the new session at a later call.
-            assert wait_for(lambda: s.connector._session_ok() and w._session_ok(), timeout=30)
+            # Each side reopens on a thread of its own and takes the new session at a later
+            # call: engine steps with no request in them are enough (the scheduler polls at
+            # build_connector_meta, the worker at start_load_kv).
+            assert wait_for(lambda: step(s, w, caches, gen, written) is not None
+                            and not s.connector._session.closed and not w._session.closed, timeout=30)
             s.reset_prefix_cache()
             s.add_request(request("e", [1] * 4))
             run_to_end(s, w, caches, gen, written)  # a step publishes the scheduler's events

@@ -623,6 +623,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         the end of the step that kvtier does not hold yet."""
         meta = KvtierConnectorMetadata(loads=list(self._loads.values()))
         self._loads.clear()
+        # Every step, not only when a request arrives: a session that ended is reopened in the
+        # background meanwhile, so the next request's Match finds the sidecar again.
+        self._session_ok()
         computed: dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
