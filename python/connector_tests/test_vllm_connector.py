@@ -238,6 +238,16 @@ def step(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor], gen:
     return out
 
 
+def reconnected(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor], gen: torch.Generator,
+                written: dict[int, torch.Tensor]) -> bool:
+    """Steps the engine until both sides have their sessions open again. Each side reopens on
+    a thread of its own and takes the new session at a later call: engine steps with no
+    request in them are enough (the scheduler polls at build_connector_meta, the worker at
+    start_load_kv)."""
+    return wait_for(lambda: step(s, w, caches, gen, written) is not None
+                    and not s.connector._session.closed and not w._session.closed, timeout=30)
+
+
 def run_to_end(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor], gen: torch.Generator,
                written: dict[int, torch.Tensor]) -> list[Any]:
     """Steps until the scheduler holds nothing, finished requests whose frees wait for the
@@ -945,11 +955,7 @@ def test_a_restarted_sidecar_is_reconnected_and_vllm_computes_meanwhile(model_di
             assert not any(o.kv_connector_metadata.loads for o in outs)
 
             second = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
-            # Each side reopens on a thread of its own and takes the new session at a later
-            # call: engine steps with no request in them are enough (the scheduler polls at
-            # build_connector_meta, the worker at start_load_kv).
-            assert wait_for(lambda: step(s, w, caches, gen, written) is not None
-                            and not s.connector._session.closed and not w._session.closed, timeout=30)
+            assert reconnected(s, w, caches, gen, written)
             s.reset_prefix_cache()
             s.add_request(request("e", [1] * 4))
             run_to_end(s, w, caches, gen, written)  # a step publishes the scheduler's events
@@ -1023,7 +1029,7 @@ def test_a_store_that_times_out_keeps_its_slots_until_the_session_is_replaced(
                 first.resume()
             first.stop()
             second = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
-            assert wait_for(lambda: s.connector._session_ok() and w._session_ok(), timeout=30)
+            assert reconnected(s, w, caches, gen, written)
             assert len(w._free) == 8 and not w._unsure
             assert_stores_and_loads(s, w, caches, gen, written)
     finally:
@@ -1061,7 +1067,7 @@ def test_in_place_a_store_that_times_out_keeps_its_requests_blocks(model_dir: st
                 first.resume()
             first.stop()
             second = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
-            assert wait_for(lambda: s.connector._session_ok() and w._session_ok(), timeout=30)
+            assert reconnected(s, w, caches, gen, written)
             run_to_end(s, w, caches, gen, written)
             assert "a" not in s.requests and not w._unsure, "freed once the session was replaced"
         finally:

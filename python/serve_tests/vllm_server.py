@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sidecar import stop_process  # python/tests, on the path the serve test sets
+
 __all__ = ["Completion", "VllmServer", "start_vllm"]
 
 
@@ -89,13 +91,7 @@ class VllmServer:
 
     def stop(self) -> None:
         """SIGTERM by PID, then SIGKILL after 60 s."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, 60)
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from conftest import free_port, kvtier_bin
 
@@ -66,13 +67,18 @@ class Sidecar:
 
     def stop(self) -> None:
         """SIGTERM by PID, then SIGKILL if it has not exited within 20 s."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, 20)
+
+
+def stop_process(process: subprocess.Popen[Any], grace_s: float) -> None:
+    """SIGTERM by PID, then SIGKILL if it has not exited within ``grace_s`` seconds."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def start_sidecar(tmp: Path, *flags: str, host_capacity: str = "16MiB",

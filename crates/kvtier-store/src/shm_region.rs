@@ -796,6 +796,41 @@ unsafe fn stream_unfenced(src: *const u8, dst: *mut u8, len: usize) {
     }
 }
 
+/// The body of a streaming copy with one vector type: `memcpy` up to the first boundary of
+/// `dst` aligned to the vector (stream stores need it), then four unaligned loads and four
+/// non-temporal stores a turn, then `memcpy` for the tail.
+///
+/// # Safety
+/// As [`copy_bytes`], on a CPU with the vector type's instructions.
+#[cfg(target_arch = "x86_64")]
+macro_rules! stream_body {
+    ($src:ident, $dst:ident, $len:ident, $vec:ty, $load:path, $store:path) => {{
+        const W: usize = std::mem::size_of::<$vec>();
+        let head = $dst.align_offset(W).min($len);
+        // SAFETY: `head <= len`; the caller's ranges cover it.
+        unsafe { std::ptr::copy_nonoverlapping($src, $dst, head) };
+        let body = ($len - head) / (4 * W) * (4 * W);
+        let mut i = head;
+        while i < head + body {
+            // SAFETY: `i + 4W <= len`, so all four loads and stores are inside the caller's
+            // ranges; `dst + i` is W-aligned (`head` aligned it, `i - head` is a multiple of
+            // 4W); loads are unaligned.
+            unsafe {
+                let s = $src.add(i).cast::<$vec>();
+                let d = $dst.add(i).cast::<$vec>();
+                let (a, b, c, e) = ($load(s), $load(s.add(1)), $load(s.add(2)), $load(s.add(3)));
+                $store(d, a);
+                $store(d.add(1), b);
+                $store(d.add(2), c);
+                $store(d.add(3), e);
+            }
+            i += 4 * W;
+        }
+        // SAFETY: the tail `[i, len)` is inside the caller's ranges.
+        unsafe { std::ptr::copy_nonoverlapping($src.add(i), $dst.add(i), $len - i) };
+    }};
+}
+
 /// [`stream_unfenced`] with 32-byte loads and non-temporal stores, 128 bytes a turn.
 ///
 /// # Safety
@@ -804,34 +839,7 @@ unsafe fn stream_unfenced(src: *const u8, dst: *mut u8, len: usize) {
 #[target_feature(enable = "avx2")]
 unsafe fn stream_unfenced_avx2(src: *const u8, dst: *mut u8, len: usize) {
     use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256};
-    // Up to the first 32-byte boundary of `dst` with memcpy (stream stores need it).
-    let head = dst.align_offset(32).min(len);
-    // SAFETY: `head <= len`; the caller's ranges cover it.
-    unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
-    let body = (len - head) & !127;
-    let mut i = head;
-    while i < head + body {
-        // SAFETY: `i + 128 <= len`, so all four 32-byte loads and stores are inside the
-        // caller's ranges; `dst + i` is 32-byte aligned (`head` aligned it, `i - head` is a
-        // multiple of 128); loads are unaligned.
-        unsafe {
-            let s = src.add(i).cast::<__m256i>();
-            let d = dst.add(i).cast::<__m256i>();
-            let (a, b, c, e) = (
-                _mm256_loadu_si256(s),
-                _mm256_loadu_si256(s.add(1)),
-                _mm256_loadu_si256(s.add(2)),
-                _mm256_loadu_si256(s.add(3)),
-            );
-            _mm256_stream_si256(d, a);
-            _mm256_stream_si256(d.add(1), b);
-            _mm256_stream_si256(d.add(2), c);
-            _mm256_stream_si256(d.add(3), e);
-        }
-        i += 128;
-    }
-    // SAFETY: the tail `[i, len)` is inside the caller's ranges.
-    unsafe { std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i) };
+    stream_body!(src, dst, len, __m256i, _mm256_loadu_si256, _mm256_stream_si256);
 }
 
 /// [`stream_unfenced`] with SSE2 (x86-64's baseline): 16-byte stores, 64 bytes a turn.
@@ -841,34 +849,7 @@ unsafe fn stream_unfenced_avx2(src: *const u8, dst: *mut u8, len: usize) {
 #[cfg(target_arch = "x86_64")]
 unsafe fn stream_unfenced_sse2(src: *const u8, dst: *mut u8, len: usize) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-    // Up to the first 16-byte boundary of `dst` with memcpy (stream stores need it).
-    let head = dst.align_offset(16).min(len);
-    // SAFETY: `head <= len`; the caller's ranges cover it.
-    unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
-    let body = (len - head) & !63;
-    let mut i = head;
-    while i < head + body {
-        // SAFETY: `i + 64 <= len`, so all four 16-byte loads and stores are inside the caller's
-        // ranges; `dst + i` is 16-byte aligned (`head` aligned it, `i - head` is a multiple of
-        // 64); loads are unaligned.
-        unsafe {
-            let s = src.add(i).cast::<__m128i>();
-            let d = dst.add(i).cast::<__m128i>();
-            let (a, b, c, e) = (
-                _mm_loadu_si128(s),
-                _mm_loadu_si128(s.add(1)),
-                _mm_loadu_si128(s.add(2)),
-                _mm_loadu_si128(s.add(3)),
-            );
-            _mm_stream_si128(d, a);
-            _mm_stream_si128(d.add(1), b);
-            _mm_stream_si128(d.add(2), c);
-            _mm_stream_si128(d.add(3), e);
-        }
-        i += 64;
-    }
-    // SAFETY: the tail `[i, len)` is inside the caller's ranges.
-    unsafe { std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i) };
+    stream_body!(src, dst, len, __m128i, _mm_loadu_si128, _mm_stream_si128);
 }
 
 #[cfg(test)]

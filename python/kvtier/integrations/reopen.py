@@ -68,6 +68,15 @@ class Reopener(Generic[T]):
         logger.info("kvtier: %s: session reopened", self._what)
         return made
 
+    def replacement(self, session: Session | None) -> tuple[bool, T | None]:
+        """For a connector's current ``session``: ``(True, None)`` while it is open;
+        ``(False, None)`` with none yet, or while it has ended and no new one is ready (one is
+        being made, see :meth:`poll`); ``(False, made)`` once one is, for the caller to put in
+        place."""
+        if session is None or not session.closed:
+            return session is not None, None
+        return False, self.poll()
+
     def shutdown(self, discard: Callable[[T], None]) -> None:
         """Waits for an attempt in flight and hands what it made to ``discard``."""
         if self._thread is not None:

@@ -143,11 +143,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         ``reconnect_interval_s``) and put in place by a later call; meanwhile no page is found,
         loaded or stored, and SGLang computes."""
         with self._session_lock:
-            if self._session is None or not self._session.closed:
-                return self._session is not None
-            made = self._reopener.poll()
+            is_open, made = self._reopener.replacement(self._session)
             if made is None:
-                return False
+                return is_open
             session, pool, handle = made
             with self._lock:  # no page copy uses the old pool any more
                 old, self._session, self._handle = self._session, session, handle

@@ -460,11 +460,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         and put in place by a later call: the engine's loop never waits for the sidecar. While
         it is down, vLLM computes requests, saves are skipped and loads fail (their blocks are
         recomputed)."""
-        if self._session is None or not self._session.closed:
-            return self._session is not None
-        made = self._reopener.poll()
+        is_open, made = self._reopener.replacement(self._session)
         if made is None:
-            return False
+            return is_open
         session, pool, handle = made
         old, self._session, self._handle = self._session, session, handle
         old.close()
