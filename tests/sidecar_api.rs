@@ -801,3 +801,168 @@ async fn pools_in_engine_layouts_register_and_load_bit_exact() {
     }
     sidecar.stop().await;
 }
+
+/// A pool of two KV cache groups (vLLM's hybrid KV cache manager: layer 1 in group 1, over
+/// the same memory as layer 0): a block is stored from, and loaded into, each layer's own
+/// group's slot, none into a group's NO_SLOT; requests that do not name the groups' slots
+/// right are INVALID_ARGUMENT naming the field, and device residency is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_of_several_kv_cache_groups_move_each_layer_in_its_groups_slot() {
+    use kvtier_transfer::NO_SLOT;
+    use kvtier_transfer::test_util::kv;
+    let sidecar = Sidecar::start(|_| {}).await;
+    let g = geometry();
+    let slots = 16;
+    let mut layers = PoolLayout::of_kind(LayoutKind::Vllm, &g, slots, 0)
+        .layers()
+        .to_vec();
+    layers[1] = kvtier_core::LayerLayout {
+        group: 1,
+        ..layers[0]
+    };
+    let layout = PoolLayout::new(layers);
+    let path = sidecar.dir.path().join("pool-hybrid");
+    let pool = CpuDevicePool::create_with_layout(
+        Some(&path),
+        g,
+        slots,
+        layout.clone(),
+        PoolLayout::kind_bytes(&g, slots, 0) as usize,
+    )
+    .unwrap();
+    let mut client = Client::connect(&sidecar.target, "hybrid-engine").await.unwrap();
+    let handle = client.register_cpu_pool(&pool, "m", 0, 1).await.unwrap();
+    let tokens: Vec<u32> = (0..16 * 4).map(|t| t * 7 + 1).collect();
+    let keys = handle.keys("", &tokens).unwrap();
+    let bl = g.bytes_per_block_layer();
+    // Block b: layer 0 in slot b (group 0), layer 1 in slot 4 + b (group 1).
+    let (g0, g1): (Vec<u32>, Vec<u32>) = (0..4).map(|b| (b, 4 + b)).unzip();
+    for (b, &k) in keys.iter().enumerate() {
+        pool.write_slot_layer(g0[b], 0, &kv(k, 0, bl)).unwrap();
+        pool.write_slot_layer(g1[b], 1, &kv(k, 1, bl)).unwrap();
+    }
+    let sid = client.session_id();
+    let packed = kvtier_proto::wire::pack_keys(&keys);
+    let group = |slots: Vec<u32>| vec![proto::GroupSlots { slots }];
+    let store = |slots: Vec<u32>, groups: Vec<proto::GroupSlots>| proto::StoreRequest {
+        session_id: sid,
+        pool_id: handle.id,
+        keys: packed.clone(),
+        slots,
+        group_slots: groups,
+        ..Default::default()
+    };
+    let load = |slots: Vec<u32>, groups: Vec<proto::GroupSlots>| proto::LoadRequest {
+        session_id: sid,
+        pool_id: handle.id,
+        keys: packed.clone(),
+        slots,
+        group_slots: groups,
+        done_only: true,
+        ..Default::default()
+    };
+    let mut rpc = client.stub();
+    let refused = |e: tonic::Status, code: Code, words: &str| {
+        assert!(e.code() == code && e.message().contains(words), "{e:?}");
+    };
+    // Wrong before anything moves: no groups named, a short list, NO_SLOT or a repeat in a
+    // store, a slot past the pool.
+    for (req, words) in [
+        (
+            store(g0.clone(), vec![]),
+            "group_slots: 0 list(s) for a pool of 2",
+        ),
+        (
+            store(g0.clone(), group(vec![4, 5])),
+            "group_slots[0]: 2 slots for 4 keys",
+        ),
+        (
+            store(g0.clone(), group(vec![4, NO_SLOT, 6, 7])),
+            "NO_SLOT in a store",
+        ),
+        (store(g0.clone(), group(vec![4, 4, 6, 7])), "slot 4 appears twice"),
+        (
+            store(g0.clone(), group(vec![4, 5, 6, 99])),
+            "slot 99 out of range",
+        ),
+    ] {
+        refused(rpc.store(req).await.unwrap_err(), Code::InvalidArgument, words);
+    }
+    assert_eq!(client.stats().await.unwrap().host_used_bytes, 0, "nothing stored");
+    let r = rpc
+        .store(store(g0.clone(), group(g1.clone())))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.stored_blocks, 4);
+
+    // Zeroed, then loaded elsewhere: block 1 has no slot in group 1.
+    let zeros = vec![0u8; bl];
+    for s in 0..slots {
+        pool.write_slot_layer(s, 0, &zeros).unwrap();
+    }
+    let (l0, l1) = (vec![8, 9, 10, 11], vec![12, NO_SLOT, 14, 15]);
+    let mut events = rpc
+        .load(load(l0.clone(), group(l1.clone())))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut loaded = None;
+    while let Some(e) = events.message().await.unwrap() {
+        if let Some(proto::load_event::Event::Done(d)) = e.event {
+            loaded = Some(d.loaded_blocks);
+        }
+    }
+    assert_eq!(loaded, Some(4));
+    let mut buf = vec![0u8; bl];
+    for (b, &k) in keys.iter().enumerate() {
+        pool.read_slot_layer(l0[b], 0, &mut buf).unwrap();
+        assert!(buf == kv(k, 0, bl), "block {b} layer 0");
+        if l1[b] != NO_SLOT {
+            pool.read_slot_layer(l1[b], 1, &mut buf).unwrap();
+            assert!(buf == kv(k, 1, bl), "block {b} layer 1");
+        }
+    }
+    pool.read_slot_layer(13, 1, &mut buf).unwrap();
+    assert!(buf.iter().all(|&x| x == 0), "NO_SLOT: nothing written");
+    // Loads may leave group 0 out too; the groups' lists still pair with the keys.
+    refused(
+        rpc.load(load(l0.clone(), vec![])).await.unwrap_err(),
+        Code::InvalidArgument,
+        "group_slots",
+    );
+    refused(
+        rpc.load(load(l0.clone(), group(vec![12, 13, 14])))
+            .await
+            .unwrap_err(),
+        Code::InvalidArgument,
+        "group_slots[0]: 3 slots for 4 keys",
+    );
+    // A one-group pool takes no group_slots.
+    let plain = engine(&sidecar, 8).await;
+    let mut plain_rpc = plain.client.stub();
+    let mut req = load(vec![0, 1, 2, 3], group(vec![4, 5, 6, 7]));
+    req.session_id = plain.client.session_id();
+    req.pool_id = plain.handle.id;
+    refused(
+        plain_rpc.load(req).await.unwrap_err(),
+        Code::InvalidArgument,
+        "for a pool of 1 KV cache group",
+    );
+    // Device residency is one slot per block: refused for a pool of groups.
+    let err = rpc
+        .device_events(proto::DeviceEventsRequest {
+            session_id: sid,
+            pool_id: handle.id,
+            events: vec![proto::DeviceEvent {
+                kind: proto::device_event::Kind::Stored as i32,
+                key: kvtier_proto::wire::pack_keys(&keys[..1]),
+                slot: 0,
+            }],
+        })
+        .await
+        .unwrap_err();
+    refused(err, Code::FailedPrecondition, "2 KV cache groups");
+    drop((client, plain));
+    sidecar.stop().await;
+}

@@ -182,11 +182,12 @@ def assert_scheduled_loaded(out: Any, req_id: str, blocks: int, caches: dict[str
         assert torch.equal(kvtier_view(caches, blk).view(torch.int16), stored_kv[i].view(torch.int16)), i
 
 
-def forward(w: KvtierConnector, caches: dict[str, torch.Tensor], out: Any) -> KVConnectorOutput:
+def forward(w: KvtierConnector, caches: dict[str, torch.Tensor], out: Any, reap: bool = True) -> KVConnectorOutput:
     """What vLLM's model runner does around a forward: let preempted requests' stores finish,
     bind the metadata, start the loads, per layer wait for its load and save it; then wait for
-    the saves and collect the worker's output (finished sends and background loads included,
-    then the load errors, in vLLM's order)."""
+    the saves (``reap``; else they may end in a later step, as in a real runner) and collect
+    the worker's output (finished sends and background loads included, then the load errors,
+    in vLLM's order)."""
     w.handle_preemptions(out.kv_connector_metadata)
     w.bind_connector_metadata(out.kv_connector_metadata)
     w.start_load_kv(None)  # type: ignore[arg-type]
@@ -194,7 +195,8 @@ def forward(w: KvtierConnector, caches: dict[str, torch.Tensor], out: Any) -> KV
         w.wait_for_layer_load(name)
         w.save_kv_layer(name, caches[name], None)
     w.wait_for_save()
-    w._reap(block=True)  # the step's stores (a real runner reports them in a later step)
+    if reap:
+        w._reap(block=True)  # the step's stores (a real runner reports them in a later step)
     results = w.get_transfer_results(out.finished_req_ids)
     meta = w.build_connector_worker_meta()
     w.clear_connector_metadata()
@@ -841,7 +843,7 @@ def prefix_kv(tokens: list[int], layer: int) -> torch.Tensor:
     return torch.randn((HEADS, BLOCK, 2 * DIM), generator=gen).to(torch.float16)
 
 
-def hybrid_step(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor]) -> Any:
+def hybrid_step(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor], reap: bool = True) -> Any:
     """A step where the "model" writes every scheduled block of every group's layers (its
     own block table each; none into a group's null blocks)."""
     out = s.schedule()
@@ -855,7 +857,7 @@ def hybrid_step(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor
                 if ids[i] != NULL_BLOCK:
                     for name in names:
                         caches[name][ids[i]] = prefix_kv(tokens[: (i + 1) * BLOCK], NAMES.index(name))
-    kvo = forward(w, caches, out)
+    kvo = forward(w, caches, out, reap)
     reqs = list(out.num_scheduled_tokens)
     done = {r: s.requests[r].num_computed_tokens >= s.requests[r].num_prompt_tokens for r in reqs}
     s.update_from_output(out, ModelRunnerOutput(req_ids=reqs, sampled_token_ids=[[7] if done[r] else [] for r in reqs],
@@ -863,12 +865,61 @@ def hybrid_step(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor
     return out
 
 
+def hybrid_round_trip(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor], salt: str, target: str,
+                      reap: bool = True) -> None:
+    """A hybrid model's request runs to its end (every block stored with every layer, while
+    all groups still hold it); after the prefix cache is reset and the KV zeroed, a request
+    with the same prefix loads in the background into each group's own blocks, none into the
+    window group's null blocks, bit-exact. ``reap``: as :func:`forward`."""
+    gen = torch.Generator().manual_seed(21)
+    prompt = torch.randint(100, 30000, (6 * BLOCK + 4,), generator=gen).tolist()
+    s.add_request(request("a", prompt))
+    outs = []
+    while s.has_requests():
+        outs.append(hybrid_step(s, w, caches, reap))
+        assert len(outs) < 20
+    w.flush()
+    saves = [sp for o in outs for sp in o.kv_connector_metadata.saves]
+    assert [(len(sp.block_ids), sp.first_block) for sp in saves] == [(4, 0), (2, 4)]
+    assert all(len(sp.group_block_ids) == 1 and NULL_BLOCK not in sp.group_block_ids[0] for sp in saves)
+    with kvtier.connect(target, "checker") as other, kvtier.CpuPool.create(other.geometry, 1) as p1:
+        h = other.register_pool(p1, "test/tiny-llama")
+        assert other.match(h, token_ids=prompt, cache_salt=salt).matched_blocks == 6
+
+    assert s.reset_prefix_cache()
+    for t in caches.values():
+        t.zero_()
+    s.add_request(request("b", prompt[: 6 * BLOCK] + [11] * 10))
+    out = hybrid_step(s, w, caches, reap)
+    assert s.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    load = out.kv_connector_metadata.loads[0]
+    assert len(load.block_ids) == 6 and NULL_BLOCK not in load.block_ids
+    assert NULL_BLOCK in load.group_block_ids[0], "the window group keeps no block before its window"
+    w.flush()
+    hybrid_step(s, w, caches, reap)  # reported loaded
+    out = hybrid_step(s, w, caches, reap)
+    nr = out.scheduled_new_reqs[0]
+    assert (nr.req_id, nr.num_computed_tokens) == ("b", 6 * BLOCK)
+    copied = 0
+    for g, names in enumerate((FULL_NAMES, WINDOW_NAMES)):
+        for i, b in enumerate(nr.block_ids[g][:6]):
+            if b == NULL_BLOCK:
+                continue
+            for name in names:
+                want = prefix_kv(prompt[: (i + 1) * BLOCK], NAMES.index(name))
+                assert torch.equal(caches[name][b].view(torch.int16), want.view(torch.int16)), (name, i)
+                copied += 1
+    assert copied == 6 * len(FULL_NAMES) + sum(b != NULL_BLOCK for b in load.group_block_ids[0]) * len(WINDOW_NAMES)
+    while s.has_requests():
+        hybrid_step(s, w, caches, reap)
+
+
 def test_hybrid_models_store_whole_blocks_and_load_each_groups_own(sidecar: Sidecar, model_dir: str) -> None:
     """vLLM's hybrid KV cache manager (full-attention and sliding-window groups, a block table
-    each): every block is stored with every layer while all groups still hold it; a later
-    request loads in the background (how vLLM takes a hybrid model's failed load) into each
-    group's own blocks, none into the window group's null blocks before its window, and
-    decodes from exactly what was computed."""
+    each) on private CPU KV, through staging: every block is stored with every layer while all
+    groups still hold it; a later request loads in the background (how vLLM takes a hybrid
+    model's failed load) into each group's own blocks, none into the window group's null
+    blocks before its window, and decodes from exactly what was computed."""
     config = vllm_config(sidecar, model_dir, staging_slots=32, cache_salt="hybrid")
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
     kcc = hybrid_kv_cache_config(window_tokens=2 * BLOCK)
@@ -877,49 +928,58 @@ def test_hybrid_models_store_whole_blocks_and_load_each_groups_own(sidecar: Side
     try:
         assert len(s.kv_cache_config.kv_cache_groups) == 2 and w._num_groups == 2
         assert not w._in_place and w._loader is not None, "staged, loads in the background"
-        gen = torch.Generator().manual_seed(21)
-        prompt = torch.randint(100, 30000, (6 * BLOCK + 4,), generator=gen).tolist()
-        s.add_request(request("a", prompt))
-        outs = []
-        while s.has_requests():
-            outs.append(hybrid_step(s, w, caches))
-            assert len(outs) < 20
-        saves = [sp for o in outs for sp in o.kv_connector_metadata.saves]
-        assert [(len(sp.block_ids), sp.first_block) for sp in saves] == [(4, 0), (2, 4)]
-        assert all(len(sp.group_block_ids) == 1 and NULL_BLOCK not in sp.group_block_ids[0] for sp in saves)
-        with kvtier.connect(sidecar.target, "checker") as other, kvtier.CpuPool.create(other.geometry, 1) as p1:
-            h = other.register_pool(p1, "test/tiny-llama")
-            assert other.match(h, token_ids=prompt, cache_salt="hybrid").matched_blocks == 6
-
-        assert s.reset_prefix_cache()
-        for t in caches.values():
-            t.zero_()
-        s.add_request(request("b", prompt[: 6 * BLOCK] + [11] * 10))
-        out = hybrid_step(s, w, caches)
-        assert s.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-        load = out.kv_connector_metadata.loads[0]
-        assert len(load.block_ids) == 6 and NULL_BLOCK not in load.block_ids
-        assert NULL_BLOCK in load.group_block_ids[0], "the window group keeps no block before its window"
-        w.flush()
-        hybrid_step(s, w, caches)  # reported loaded
-        out = hybrid_step(s, w, caches)
-        nr = out.scheduled_new_reqs[0]
-        assert (nr.req_id, nr.num_computed_tokens) == ("b", 6 * BLOCK)
-        copied = 0
-        for g, names in enumerate((FULL_NAMES, WINDOW_NAMES)):
-            for i, b in enumerate(nr.block_ids[g][:6]):
-                if b == NULL_BLOCK:
-                    continue
-                for name in names:
-                    want = prefix_kv(prompt[: (i + 1) * BLOCK], NAMES.index(name))
-                    assert torch.equal(caches[name][b].view(torch.int16), want.view(torch.int16)), (name, i)
-                    copied += 1
-        assert copied == 6 * len(FULL_NAMES) + sum(b != NULL_BLOCK for b in load.group_block_ids[0]) * len(WINDOW_NAMES)
-        while s.has_requests():
-            hybrid_step(s, w, caches)
+        hybrid_round_trip(s, w, caches, "hybrid", sidecar.target)
     finally:
         w.shutdown()
         s.connector.shutdown()
+
+
+def test_hybrid_models_in_shared_memory_move_in_place(sidecar: Sidecar, model_dir: str) -> None:
+    """A hybrid model's KV in a shared file, each sliding-window layer over the same memory as
+    a full-attention layer (vLLM's hybrid KV cache manager gives a block to one group at a
+    time), registers in place with each layer's KV cache group (no staging pool): stores read,
+    and background loads write, each group's own blocks straight in vLLM's memory, none into
+    the window group's null blocks; a step's stores end before the next step's loads start."""
+    salt = "hybrid-in-place"
+    config = vllm_config(sidecar, model_dir, kv_path="in_place", cache_salt=salt)
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    kcc = hybrid_kv_cache_config(window_tokens=2 * BLOCK)
+    s = scheduler(config, kcc)
+    path = Path("/dev/shm") / f"kvtier-test-vllm-hybrid-{os.getpid()}"
+    raw = shm_bytes(path, LAYERS // 2 * NUM_BLOCKS * HEADS * BLOCK * 2 * DIM * 2)
+    w, gate = None, threading.Event()
+    try:
+        # [B, H, N, K‖V] per layer; layers 2i (window) and 2i + 1 (full) share one tensor.
+        shared = raw.view(torch.float16).view(LAYERS // 2, NUM_BLOCKS, HEADS, BLOCK, 2 * DIM)
+        caches = {n: shared[i // 2] for i, n in enumerate(NAMES)}
+        w = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
+        w.register_kv_caches(caches)
+        assert w._in_place and w._pool is None and w._loader is not None, "in place, loads in the background"
+        # The store thread is held until a step starts with a store queued: that step's
+        # start_load_kv must wait for it (the steps do not reap their stores themselves).
+        assert w._executor is not None
+        w._executor.submit(gate.wait)
+        started, seen = w.start_load_kv, []
+
+        def pending() -> int:
+            return sum(not f.done() for _, _, f in w._stores)
+
+        def start_load_kv(ctx: Any, **kw: Any) -> None:
+            before = pending()
+            if before:
+                gate.set()
+            started(ctx, **kw)
+            seen.append((before, pending()))
+
+        w.start_load_kv = start_load_kv  # type: ignore[method-assign]
+        hybrid_round_trip(s, w, caches, salt, sidecar.target, reap=False)
+        assert any(b for b, _ in seen) and not any(a for _, a in seen), seen
+    finally:
+        gate.set()
+        if w is not None:
+            w.shutdown()
+        s.connector.shutdown()
+        path.unlink(missing_ok=True)
 
 
 def test_hybrid_layers_keep_the_models_order_and_other_shapes_are_refused_by_name() -> None:

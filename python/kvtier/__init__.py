@@ -30,6 +30,7 @@ from .results import (
     BlocksMissing, ClearResult, DeviceEvent, DeviceEventKind, DeviceEventsResult, LayerReady,
     LoadDone, LoadEvent, MatchResult, PinResult, PoolHandle, Removals, Stats, StoreResult, Tier, Timing,
 )
+from ._wire import NO_SLOT
 from .session import LoadStream, Session
 from . import aio
 
@@ -39,7 +40,7 @@ __all__ = [
     "AlreadyExists", "BlockKeys", "BlocksMissing", "Cancelled", "DataLoss", "ClearResult", "Client", "CpuPool",
     "DeadlineExceeded", "DeviceEvent", "DeviceEventKind", "DeviceEventsResult",
     "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "KvtierError", "LayerReady",
-    "LoadDone", "LoadEvent", "LoadStream", "MatchResult", "Namespace", "NotFound", "OutOfRange",
+    "LoadDone", "LoadEvent", "LoadStream", "MatchResult", "NO_SLOT", "Namespace", "NotFound", "OutOfRange",
     "PinResult", "PoolHandle", "Removals", "ResourceExhausted", "Session", "SessionClosed", "Stats",
     "StoreResult", "Tier", "Timing", "Unauthenticated", "Unavailable", "Unimplemented",
     "aio", "block_keys", "connect", "default_target",

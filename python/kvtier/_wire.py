@@ -25,9 +25,12 @@ PoolRef = Union[PoolHandle, int]
 SlotsLike = Union[Sequence[int], np.ndarray]
 #: A pool's layout: per layer ``(k_buffer, k_offset, v_buffer, v_offset, slot_stride)``, or
 #: with ``token_stride, head_stride`` after them for K and V that are not one
-#: ``[token][head][dim]`` run per slot (0: packed), in bytes (docs/api.md, "Pool layouts and GPU
+#: ``[token][head][dim]`` run per slot (0: packed), in bytes, and then the layer's KV cache
+#: ``group`` for an engine with several block tables (docs/api.md, "Pool layouts and GPU
 #: pools").
 LayoutLike = Sequence[tuple[int, ...]]
+#: In a load's ``group_slots``: the group keeps no block there (its layers are not written).
+NO_SLOT = 0xFFFFFFFF
 #: A GPU buffer: ``(ipc_handle, offset_bytes, size_bytes)``.
 CudaBufferLike = tuple[bytes, int, int]
 
@@ -38,13 +41,12 @@ def pool_layout(layout: LayoutLike | None) -> pb.PoolLayout | None:
         return None
     layers = []
     for i, entry in enumerate(layout):
-        if len(entry) not in (5, 7):
+        if len(entry) not in (5, 7, 8):
             raise ValueError(f"layout[{i}] has {len(entry)} fields; expected (k_buffer, k_offset, v_buffer, "
-                             "v_offset, slot_stride[, token_stride, head_stride])")
-        kb, ko, vb, vo, st, *rest = entry
-        ts, hs = rest if rest else (0, 0)
+                             "v_offset, slot_stride[, token_stride, head_stride[, group]])")
+        kb, ko, vb, vo, st, ts, hs, group = (*entry, 0, 0, 0)[:8]  # the left-out fields 0
         layers.append(pb.LayerLayout(k_buffer=kb, k_offset=ko, v_buffer=vb, v_offset=vo, slot_stride=st,
-                                     token_stride=ts, head_stride=hs))
+                                     token_stride=ts, head_stride=hs, group=group))
     return pb.PoolLayout(layers=layers)
 
 
@@ -130,12 +132,17 @@ def match_result(r: pb.MatchResponse) -> MatchResult:
     )
 
 
+def group_slot_lists(group_slots: Sequence[SlotsLike]) -> list[pb.GroupSlots]:
+    return [pb.GroupSlots(slots=slot_list(g)) for g in group_slots]
+
+
 def load_request(session_id: int, pool: PoolRef, keys: KeysLike, slots: SlotsLike, cache_salt: str,
-                 deadline_ms: int, layer_event_stride: int, done_only: bool) -> pb.LoadRequest:
+                 deadline_ms: int, layer_event_stride: int, done_only: bool,
+                 group_slots: Sequence[SlotsLike] = ()) -> pb.LoadRequest:
     return pb.LoadRequest(
         session_id=session_id, pool_id=pool_id(pool), cache_salt=cache_salt, keys=as_keys(keys).packed,
         slots=slot_list(slots), deadline_ms=deadline_ms, layer_event_stride=layer_event_stride,
-        done_only=done_only,
+        done_only=done_only, group_slots=group_slot_lists(group_slots),
     )
 
 
@@ -153,11 +160,11 @@ def load_event(e: pb.LoadEvent) -> LoadEvent:
 
 
 def store_request(session_id: int, pool: PoolRef, keys: KeysLike, slots: SlotsLike, parent: int | None,
-                  cache_salt: str, durable: bool) -> pb.StoreRequest:
+                  cache_salt: str, durable: bool, group_slots: Sequence[SlotsLike] = ()) -> pb.StoreRequest:
     return pb.StoreRequest(
         session_id=session_id, pool_id=pool_id(pool), cache_salt=cache_salt, keys=as_keys(keys).packed,
         slots=slot_list(slots), parent=b"" if parent is None else parent.to_bytes(KEY_BYTES, "little"),
-        durable=durable,
+        durable=durable, group_slots=group_slot_lists(group_slots),
     )
 
 

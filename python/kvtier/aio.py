@@ -271,24 +271,27 @@ class AsyncSession:
 
     def load(self, pool: PoolRef, keys: KeysLike, slots: SlotsLike, *, cache_salt: str = "",
              deadline_ms: int = 0, layer_event_stride: int = 1, done_only: bool = False,
-             timeout: float | None = None) -> AsyncLoadStream:
+             group_slots: Sequence[SlotsLike] = (), timeout: float | None = None) -> AsyncLoadStream:
         """See :meth:`kvtier.Session.load`; iterate the result with ``async for``."""
         self._check()
         req = _wire.load_request(self.id, pool, keys, slots, cache_salt, deadline_ms,
-                                 layer_event_stride, done_only)
+                                 layer_event_stride, done_only, group_slots)
         return AsyncLoadStream(self._client.stub.Load(req, timeout=timeout, metadata=self._client.metadata))
 
     async def load_wait(self, pool: PoolRef, keys: KeysLike, slots: SlotsLike, *, cache_salt: str = "",
-                        deadline_ms: int = 0, timeout: float | None = None) -> LoadDone:
+                        deadline_ms: int = 0, group_slots: Sequence[SlotsLike] = (),
+                        timeout: float | None = None) -> LoadDone:
         """See :meth:`kvtier.Session.load_wait` (``done_only``)."""
         return await self.load(pool, keys, slots, cache_salt=cache_salt, deadline_ms=deadline_ms,
-                               done_only=True, timeout=timeout).wait()
+                               done_only=True, group_slots=group_slots, timeout=timeout).wait()
 
     async def store(self, pool: PoolRef, keys: KeysLike, slots: SlotsLike, *, parent: int | None = None,
-                    cache_salt: str = "", durable: bool = False, timeout: float | None = None) -> StoreResult:
+                    cache_salt: str = "", durable: bool = False, group_slots: Sequence[SlotsLike] = (),
+                    timeout: float | None = None) -> StoreResult:
         """See :meth:`kvtier.Session.store`."""
         return _wire.store_result(await self._unary(
-            "Store", _wire.store_request(self.id, pool, keys, slots, parent, cache_salt, durable), timeout))
+            "Store", _wire.store_request(self.id, pool, keys, slots, parent, cache_salt, durable, group_slots),
+            timeout))
 
     async def device_events(self, pool: PoolRef, events: Iterable[DeviceEvent]) -> DeviceEventsResult:
         return _wire.device_events_result(await self._unary(

@@ -264,6 +264,7 @@ class Session:
         deadline_ms: int = 0,
         layer_event_stride: int = 1,
         done_only: bool = False,
+        group_slots: Sequence[SlotsLike] = (),
         timeout: float | None = None,
     ) -> LoadStream:
         """Copies the blocks ``keys`` (one sequence, in order) into device ``slots``, streaming
@@ -271,11 +272,14 @@ class Session:
         with ``done_only``), ``BlocksMissing`` for blocks in no tier, then ``LoadDone``.
 
         ``deadline_ms`` is the sidecar's deadline (DeadlineExceeded, pins released); ``timeout``
-        grpcio's deadline for the whole stream.
+        grpcio's deadline for the whole stream. A pool whose layout puts its layers in several
+        KV cache groups takes a slot per block per group: ``slots`` for group 0,
+        ``group_slots`` for groups 1, 2, ... (:data:`~kvtier.NO_SLOT` where a group keeps no
+        block: its layers of that block are not written).
         """
         self._check()
         req = _wire.load_request(self.id, pool, keys, slots, cache_salt, deadline_ms,
-                                 layer_event_stride, done_only)
+                                 layer_event_stride, done_only, group_slots)
         return LoadStream(self._client.stub.Load(req, timeout=timeout, metadata=self._client.metadata))
 
     def load_wait(
@@ -286,13 +290,14 @@ class Session:
         *,
         cache_salt: str = "",
         deadline_ms: int = 0,
+        group_slots: Sequence[SlotsLike] = (),
         timeout: float | None = None,
     ) -> LoadDone:
         """Loads and waits for the whole load (``done_only``: two messages at most, whatever
         the layer count); returns :class:`~kvtier.results.LoadDone` (``missing`` lists the
         blocks not loaded)."""
         return self.load(pool, keys, slots, cache_salt=cache_salt, deadline_ms=deadline_ms,
-                         done_only=True, timeout=timeout).wait()
+                         done_only=True, group_slots=group_slots, timeout=timeout).wait()
 
     def store(
         self,
@@ -303,6 +308,7 @@ class Session:
         parent: int | None = None,
         cache_salt: str = "",
         durable: bool = False,
+        group_slots: Sequence[SlotsLike] = (),
         timeout: float | None = None,
     ) -> StoreResult:
         """Copies a contiguous run of one sequence's blocks (``keys`` in order, each in its
@@ -310,9 +316,11 @@ class Session:
         (None when the run starts the sequence). Returns when the slots may be reused (with
         ``durable``: once the blocks are also on disk and synced). ``timeout``: seconds to wait
         (default: the client's), else :class:`~kvtier.errors.DeadlineExceeded` (the store may
-        still complete on the sidecar)."""
+        still complete on the sidecar). ``group_slots``: as in :meth:`load`, without
+        ``NO_SLOT`` (a stored block holds every layer)."""
         return _wire.store_result(self._unary(
-            "Store", _wire.store_request(self.id, pool, keys, slots, parent, cache_salt, durable), timeout))
+            "Store", _wire.store_request(self.id, pool, keys, slots, parent, cache_salt, durable, group_slots),
+            timeout))
 
     def device_events(self, pool: PoolRef, events: Iterable[DeviceEvent]) -> DeviceEventsResult:
         """Reports a batch of changes to what the pool's device holds (what Match reports as

@@ -417,6 +417,53 @@ def test_interleaved_engine_memory_registers_with_token_and_head_strides(
     mm.close()
 
 
+def test_layers_in_kv_cache_groups_take_a_slot_per_group(session: kvtier.Session, tmp_path: Path) -> None:
+    """An engine with two KV cache groups over one memory (vLLM's hybrid KV cache manager:
+    odd layers in group 1 lie over the even layer before them) registers each layer's group;
+    a store reads each layer from its group's slot, a load writes each into its group's slot
+    and none where a group gives ``NO_SLOT``; a store must give every group's slot."""
+    g = session.geometry
+    half = g.block_layer_bytes // 2
+    slots = 8
+    path = tmp_path / "hybrid-kv"
+    planes = (g.layers + 1) // 2  # one memory per pair of layers
+    size = planes * 2 * slots * half
+    with open(path, "wb") as f:
+        f.truncate(size)
+    with open(path, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), size)
+    kv = np.frombuffer(mm, dtype=np.uint8).reshape(planes, 2, slots, half)  # [pair][K|V][slot]
+    layout = [(0, (layer // 2) * 2 * slots * half, 0, ((layer // 2) * 2 + 1) * slots * half, half, 0, 0, layer % 2)
+              for layer in range(g.layers)]
+    h = session.register_pool(path, "engine-hybrid", num_slots=slots, layout=layout)
+    rng = np.random.default_rng(11)
+    kv[:] = rng.integers(0, 256, kv.shape, dtype=np.uint8)
+    want = kv.copy()
+    keys = h.keys(list(range(2 * g.block_tokens)), cache_salt="groups")
+    with pytest.raises(kvtier.InvalidArgument) as e:
+        session.store(h, keys, [0, 1], cache_salt="groups", group_slots=[[2, kvtier.NO_SLOT]])
+    assert "group_slots[0]" in e.value.message and "NO_SLOT in a store" in e.value.message
+    with pytest.raises(kvtier.InvalidArgument) as e:
+        session.store(h, keys, [0, 1], cache_salt="groups")
+    assert "for a pool of 2 KV cache group(s)" in e.value.message
+    # Block i: group 0's layers in slot i, group 1's in slot 2 + i.
+    assert session.store(h, keys, [0, 1], cache_salt="groups", group_slots=[[2, 3]]).stored_blocks == 2
+    kv[:] = 0
+    done = session.load_wait(h, keys, [4, 5], cache_salt="groups", group_slots=[[6, kvtier.NO_SLOT]])
+    assert done.loaded_blocks == 2
+    # Group 0 (even layers) of blocks 0, 1 in slots 4, 5; group 1 (odd layers) of block 0 in 6.
+    for layer in range(g.layers):
+        got, src = kv[layer // 2], want[layer // 2]
+        if layer % 2 == 0:
+            assert np.array_equal(got[:, 4:6], src[:, 0:2]), layer
+        else:
+            assert np.array_equal(got[:, 6], src[:, 2]), layer
+    assert not kv[:, :, 7].any() and not kv[:, :, 0:4].any(), "nothing but the slots asked for"
+    session.unregister_pool(h)
+    del kv, got
+    mm.close()
+
+
 def test_a_watching_session_hears_the_blocks_that_leave(tmp_path: Path) -> None:
     """A session opened with watch_removals hears the blocks the sidecar evicts (named, each
     once) and that a clear happened; one that does not watch hears nothing."""

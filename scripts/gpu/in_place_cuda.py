@@ -6,7 +6,10 @@ torch's storages, the layout from the tensors' strides), then store -> zero -> l
 blocks, checked bit-exact, with the blocks not loaded still zero. The same for vLLM >= 0.34's
 LBHNC layout (per layer [blocks, head, token, K||V], K and V interleaved per token and head),
 which the sidecar copies with the copy kernel (many small pieces), and a head whose elements are
-not contiguous must be refused with the reason.
+not contiguous must be refused with the reason. Then a hybrid model's KV (two KV cache groups,
+each group-1 layer over the same memory as a group-0 layer, as vLLM's hybrid KV cache manager
+lays them out): each layer stored from and loaded into its own group's blocks, none into a
+NO_SLOT.
 
 Usage: in_place_cuda.py path/to/kvtier   (the kvtier package and its dependencies importable)
 Prints one line per check; exits 1 on any failure.
@@ -97,6 +100,44 @@ def round_trip(s: kvtier.Session, name: str, caches: list[torch.Tensor],
     s.unregister_pool(h)
 
 
+def hybrid_round_trip(s: kvtier.Session) -> None:
+    """Layers 2i (group 0) and 2i + 1 (group 1) share a [2, blocks, token, head, dim] tensor:
+    block b is stored from blocks b (group 0) and 8 + b (group 1), loaded into 16 + b and
+    24 + b, except block 3's group-1 layers (NO_SLOT)."""
+    shared = [torch.zeros(2, BLOCKS, TOKENS, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+              for _ in range(LAYERS // 2)]
+    planes = [(shared[i // 2][0], shared[i // 2][1]) for i in range(LAYERS)]
+    h = register_in_place(s, planes, "gpu/hybrid", groups=[i % 2 for i in range(LAYERS)])
+    g = torch.Generator(device="cuda")
+    g.manual_seed(12)
+    for t in shared:
+        t.view(torch.int16).copy_(torch.randint(-32768, 32767, t.shape, dtype=torch.int16, device="cuda", generator=g))
+    ref = [t.clone() for t in shared]
+    torch.cuda.synchronize()
+    keys = h.keys(list(range(8 * TOKENS)), cache_salt="hybrid")
+    r = s.store(h, keys, range(0, 8), cache_salt="hybrid", group_slots=[range(8, 16)])
+    assert r.stored_blocks == 8, r
+    for t in shared:
+        t.zero_()
+    torch.cuda.synchronize()
+    into1 = [24 + b if b != 3 else kvtier.NO_SLOT for b in range(8)]
+    done = s.load_wait(h, keys, range(16, 24), cache_salt="hybrid", group_slots=[into1])
+    assert done.loaded_blocks == 8, done
+    diff = 0
+    for t, r_ in zip(shared, ref):
+        diff += int((t[:, 16:24].view(torch.int16) != r_[:, 0:8].view(torch.int16)).sum())
+        got1 = torch.cat([t[:, 24:27], t[:, 28:32]], dim=1)
+        want1 = torch.cat([r_[:, 8:11], r_[:, 12:16]], dim=1)
+        diff += int((got1.view(torch.int16) != want1.view(torch.int16)).sum())
+    stray = sum(int(t[:, :16].view(torch.int16).count_nonzero()) + int(t[:, 27].view(torch.int16).count_nonzero())
+                for t in shared)
+    print(f"in_place_cuda: hybrid (2 KV cache groups over shared memory): store -> zero -> load of 8 blocks: "
+          f"differing_elements={diff} nonzero_outside={stray}")
+    if diff or stray:
+        raise SystemExit(1)
+    s.unregister_pool(h)
+
+
 def run(target: str) -> None:
     with kvtier.connect(target, "gpu-in-place") as s:
         # vLLM before 0.34: [2, blocks, token, head, dim] per layer.
@@ -114,6 +155,8 @@ def run(target: str) -> None:
             print(f"in_place_cuda: a head with strided elements refused: {e}")
         else:
             raise SystemExit("in_place_cuda: a head with strided elements was registered in place")
+        del inter, odd
+        hybrid_round_trip(s)
     print("in_place_cuda: ok")
 
 

@@ -345,6 +345,7 @@ impl Client {
                 deadline_ms: deadline.map_or(0, |d| d.as_millis().max(1) as u64),
                 layer_event_stride,
                 done_only,
+                group_slots: Vec::new(),
             })
             .await?
             .into_inner();
@@ -449,6 +450,7 @@ impl Client {
                 slots: blocks.iter().map(|b| b.1).collect(),
                 parent: pack_key(parent),
                 durable,
+                group_slots: Vec::new(),
             })
             .await?
             .into_inner();

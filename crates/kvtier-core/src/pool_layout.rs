@@ -36,6 +36,12 @@ pub struct LayerLayout {
     /// Bytes from head `h`'s K (and V) to head `h + 1`'s within a token; 0: packed
     /// (`head_dim × dtype bytes`).
     pub head_stride: u64,
+    /// The KV cache group the layer belongs to (0 for an engine with one): layers of one
+    /// group share a block table, so a request names one slot per block per group (vLLM's
+    /// hybrid KV cache manager keeps sliding-window and full-attention layers in groups of
+    /// their own). Layers of different groups may share memory: the engine hands a block to
+    /// one group at a time.
+    pub group: u32,
 }
 
 impl LayerLayout {
@@ -282,6 +288,7 @@ struct Plane {
     /// Bytes one slot's K (or V) spans, first byte to last.
     slot_extent: u64,
     layer: usize,
+    group: u32,
     v: bool,
 }
 
@@ -644,12 +651,16 @@ impl PoolLayout {
                     hull,
                     slot_extent,
                     layer: i,
+                    group: l.group,
                     v,
                 });
             }
         }
+        self.validate_groups()?;
         for (a_index, a) in planes.iter().enumerate() {
-            for b in &planes[..a_index] {
+            // Layers of different groups may share bytes: the engine gives a block to one
+            // group at a time (vLLM's hybrid KV cache manager lays them over one tensor).
+            for b in planes[..a_index].iter().filter(|b| b.group == a.group) {
                 if let Some(slots) = a.overlap(b) {
                     let reason = match slots {
                         Some((i, j)) => format!(
@@ -670,6 +681,57 @@ impl PoolLayout {
             }
         }
         Ok(())
+    }
+
+    /// Checks that the groups are numbered 0, 1, 2, ... with no number left out.
+    fn validate_groups(&self) -> Result<(), LayoutError> {
+        let n = self.layers.len();
+        if let Some(i) = self.layers.iter().position(|l| l.group as usize >= n) {
+            return Err(LayoutError {
+                field: format!("layout.layers[{i}].group"),
+                reason: format!(
+                    "group {}, but {n} layers make at most {n} groups (numbered from 0)",
+                    self.layers[i].group
+                ),
+            });
+        }
+        let groups = self.groups();
+        let mut used = vec![false; groups as usize];
+        for l in &self.layers {
+            used[l.group as usize] = true;
+        }
+        match used.iter().position(|&u| !u) {
+            None => Ok(()),
+            Some(missing) => {
+                let i = self
+                    .layers
+                    .iter()
+                    .position(|l| l.group == groups - 1)
+                    .unwrap_or(0);
+                Err(LayoutError {
+                    field: format!("layout.layers[{i}].group"),
+                    reason: format!(
+                        "group {}, but no layer is in group {missing}: number the KV cache groups 0, 1, 2, ... \
+                         with none left out",
+                        groups - 1
+                    ),
+                })
+            }
+        }
+    }
+
+    /// How many KV cache groups the layers form (1 for an engine with one block table).
+    pub fn groups(&self) -> u32 {
+        self.layers
+            .iter()
+            .map(|l| l.group)
+            .max()
+            .map_or(1, |g| g.saturating_add(1))
+    }
+
+    /// The KV cache group of each layer, in layer order.
+    pub fn layer_groups(&self) -> Vec<u32> {
+        self.layers.iter().map(|l| l.group).collect()
     }
 }
 
@@ -904,6 +966,47 @@ mod tests {
 
     /// vLLM ≥ 0.34's `LHBNC` (heads outermost, then blocks): the slot is not a plane's
     /// outermost dimension, so K and V interleave across slots too.
+    #[test]
+    fn layers_of_different_groups_may_share_memory_and_groups_are_numbered_without_gaps() {
+        let g = geo();
+        let bytes = PoolLayout::kind_bytes(&g, 5, 0);
+        // vLLM's hybrid KV cache manager: layers 0 and 2 (group 0) and layer 1 (group 1) over
+        // the same blocks; layer 1 lies on layer 0's memory.
+        let mut layers = PoolLayout::of_kind(LayoutKind::Vllm, &g, 5, 0).layers().to_vec();
+        layers[1] = LayerLayout {
+            group: 1,
+            ..layers[0]
+        };
+        let hybrid = PoolLayout::new(layers.clone());
+        hybrid.validate(&g, 5, &[bytes]).unwrap();
+        assert_eq!((hybrid.groups(), hybrid.layer_groups()), (2, vec![0, 1, 0]));
+        assert_eq!(PoolLayout::of_kind(LayoutKind::Vllm, &g, 5, 0).groups(), 1);
+        // Within a group, the same sharing is refused.
+        layers[1].group = 0;
+        expect_err(
+            &PoolLayout::new(layers.clone()),
+            &[bytes],
+            "layout.layers[1].k_offset",
+            "overlaps layer 0's K",
+        );
+        // Group 2 with no group 1, and a group past what the layers can make.
+        layers[1].group = 2;
+        layers[2].group = 2;
+        expect_err(
+            &PoolLayout::new(layers.clone()),
+            &[bytes],
+            "layout.layers[1].group",
+            "no layer is in group 1",
+        );
+        layers[1].group = u32::MAX;
+        expect_err(
+            &PoolLayout::new(layers),
+            &[bytes],
+            "layout.layers[1].group",
+            "at most 3 groups",
+        );
+    }
+
     #[test]
     fn layouts_with_the_slot_inside_the_head_validate_and_copy_every_byte_once() {
         let g = geo(); // 4 tokens, 2 heads of 16 bytes

@@ -52,17 +52,23 @@ pub fn decode_status<U: DecodeSide>(error: &prost::DecodeError) -> Status {
     }
 }
 
+/// KV cache groups a Load or Store of the largest batch may name a slot in, per block, and
+/// still fit the message limit (vLLM's hybrid models have two or three).
+pub const MAX_LIMIT_GROUPS: usize = 4;
+
 /// Bytes one block can take in the largest kvtier.v1 message: its token ids at the varint's
-/// widest (5 bytes each) in a request, or its packed key, slot and tier in a reply (22 bytes)
-/// — whichever is larger — plus a margin for tags.
+/// widest (5 bytes each) in a request, its packed key and a slot in each of
+/// [`MAX_LIMIT_GROUPS`] groups in a request (36 bytes), or its packed key, slot and tier in a
+/// reply (22 bytes) — whichever is largest — plus a margin for tags.
 const fn block_wire_bytes(block_tokens: u32) -> usize {
     let tokens = 5 * block_tokens as usize;
-    (if tokens > 22 { tokens } else { 22 }) + 16
+    let slots = 16 + 5 * MAX_LIMIT_GROUPS;
+    (if tokens > slots { tokens } else { slots }) + 16
 }
 
 /// The gRPC message size limit that lets a request of `max_batch_blocks` blocks of
 /// `block_tokens` tokens through in any of its forms (token ids, or packed keys and slots):
-/// `max_batch_blocks * (max(5 * block_tokens, 22) + 16) + 64 KiB`, at least gRPC's default 4
+/// `max_batch_blocks * (max(5 * block_tokens, 36) + 16) + 64 KiB`, at least gRPC's default 4
 /// MiB. The sidecar decodes requests up to this size (larger ones are OUT_OF_RANGE before
 /// being read); 65,536 blocks of 64 tokens make 22 MiB.
 pub const fn max_message_bytes(max_batch_blocks: usize, block_tokens: u32) -> usize {
@@ -150,7 +156,8 @@ mod tests {
     fn the_message_limit_fits_the_batch_limit_in_every_form() {
         use prost::Message as _;
         assert_eq!(max_message_bytes(1, 64), 4 << 20, "never below gRPC's default");
-        let (blocks, tokens) = (65_536_usize, 64_u32);
+        // Short blocks, where keys and slots outweigh token ids.
+        let (blocks, tokens) = (65_536_usize, 4_u32);
         let limit = max_message_bytes(blocks, tokens);
         let by_tokens = proto::MatchRequest {
             session_id: u64::MAX,
@@ -168,6 +175,12 @@ mod tests {
             deadline_ms: u64::MAX,
             layer_event_stride: u32::MAX,
             done_only: true,
+            group_slots: vec![
+                proto::GroupSlots {
+                    slots: vec![u32::MAX; blocks]
+                };
+                MAX_LIMIT_GROUPS - 1
+            ],
         };
         let reply = proto::MatchResponse {
             tiers: vec![3; blocks],

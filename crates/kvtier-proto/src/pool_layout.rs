@@ -17,6 +17,7 @@ impl From<&LayerLayout> for proto::LayerLayout {
             slot_stride: l.slot_stride,
             token_stride: l.token_stride,
             head_stride: l.head_stride,
+            group: l.group,
         }
     }
 }
@@ -31,6 +32,7 @@ impl From<&proto::LayerLayout> for LayerLayout {
             slot_stride: l.slot_stride,
             token_stride: l.token_stride,
             head_stride: l.head_stride,
+            group: l.group,
         }
     }
 }

@@ -19,8 +19,8 @@ use kvtier_proto::{
 };
 use kvtier_store::Removed;
 use kvtier_transfer::{
-    CpuDevicePool, DevicePool, Durability, EventSink, InflightBlocks, LoadBlock, LoadEvent, LoadHandle,
-    PersistReport, Route, StoreBlock, StoreEvent, StoreReport, TransferError, TransferTiming,
+    CpuDevicePool, DevicePool, Durability, EventSink, GroupedSlots, InflightBlocks, LoadBlock, LoadEvent,
+    LoadHandle, PersistReport, Route, StoreBlock, StoreEvent, StoreReport, TransferError, TransferTiming,
 };
 use metrics::{counter, histogram};
 use tokio::sync::{broadcast, mpsc};
@@ -161,6 +161,27 @@ fn keys_and_slots(keys: &[u8], slots: &[u32]) -> Result<Vec<(BlockKey, u32)>, Se
         )));
     }
     Ok(keys.into_iter().zip(slots.iter().copied()).collect())
+}
+
+/// The pool a request's copies go through, and each block's slot in it: the registered pool
+/// and `slots` where its layout has one KV cache group and the request names no others; else a
+/// [`GroupedSlots`] over it (group 0's `slots`, then `group_slots`), whose slot `b` is block
+/// `b`. `load`: [`kvtier_transfer::NO_SLOT`] may leave a group's block unwritten.
+fn request_pool(
+    device: &Arc<dyn DevicePool>,
+    slots: &[u32],
+    group_slots: &[proto::GroupSlots],
+    load: bool,
+) -> Result<(Arc<dyn DevicePool>, Vec<u32>), ServerError> {
+    if group_slots.is_empty() && device.layout().groups() == 1 {
+        return Ok((Arc::clone(device), slots.to_vec()));
+    }
+    let lists = std::iter::once(slots.to_vec())
+        .chain(group_slots.iter().map(|g| g.slots.clone()))
+        .collect();
+    let grouped = GroupedSlots::new(Arc::clone(device), lists, load)?;
+    let blocks = (0..grouped.blocks()).collect();
+    Ok((Arc::new(grouped), blocks))
 }
 
 /// The wire form of a transfer's timing: its queues' instants as durations from acceptance.
@@ -566,10 +587,12 @@ impl KvTier for KvTierService {
             let pool = self.state.sessions.pool(r.session_id, r.pool_id)?;
             let pairs = keys_and_slots(&r.keys, &r.slots)?;
             self.check_batch("keys", pairs.len())?;
+            let (device, slots) = request_pool(&pool.device, &r.slots, &r.group_slots, true)?;
             let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
             let blocks: Vec<LoadBlock> = pairs
                 .into_iter()
-                .map(|(key, slot)| LoadBlock { key, slot })
+                .zip(slots)
+                .map(|((key, _), slot)| LoadBlock { key, slot })
                 .collect();
             let deadline = (r.deadline_ms > 0).then(|| arrived + Duration::from_millis(r.deadline_ms));
             let (tx, rx) = mpsc::unbounded_channel();
@@ -588,7 +611,7 @@ impl KvTier for KvTierService {
             // Submitting never waits here; a block another request is writing into the host
             // tier right now sends the submission to a blocking thread to wait for it.
             let handle = match state.queues.load.submit_to(
-                &pool.device,
+                &device,
                 &state.store,
                 ns,
                 &blocks,
@@ -597,7 +620,6 @@ impl KvTier for KvTierService {
             ) {
                 Err(TransferError::WouldBlock) => {
                     let state = Arc::clone(&self.state);
-                    let device = Arc::clone(&pool.device);
                     blocking(move || {
                         Ok(state.queues.load.submit_to(
                             &device,
@@ -641,11 +663,13 @@ impl KvTier for KvTierService {
             let pool = self.state.sessions.pool(r.session_id, r.pool_id)?;
             let pairs = keys_and_slots(&r.keys, &r.slots)?;
             self.check_batch("keys", pairs.len())?;
+            let (device, slots) = request_pool(&pool.device, &r.slots, &r.group_slots, false)?;
             let mut parent = unpack_key("parent", &r.parent)?;
             let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
             let blocks: Vec<StoreBlock> = pairs
                 .into_iter()
-                .map(|(key, slot)| {
+                .zip(slots)
+                .map(|((key, _), slot)| {
                     let b = StoreBlock { key, parent, slot };
                     parent = Some(key);
                     b
@@ -677,7 +701,7 @@ impl KvTier for KvTierService {
                 }
             });
             let mut handle = self.state.queues.store.submit_to(
-                &pool.device,
+                &device,
                 &self.state.store,
                 ns,
                 &blocks,
@@ -728,9 +752,17 @@ impl KvTier for KvTierService {
             let pool = self.state.sessions.pool(r.session_id, r.pool_id)?;
             self.check_batch("events", r.events.len())?;
             let slots = pool.device.num_slots();
+            let groups = pool.device.layout().groups();
             let mut changes = Vec::with_capacity(r.events.len());
             for (i, e) in r.events.iter().enumerate() {
                 changes.push(match proto::device_event::Kind::try_from(e.kind) {
+                    Ok(proto::device_event::Kind::Stored) if groups > 1 => {
+                        return Err(ServerError::Unsupported(format!(
+                            "events[{i}]: pool {} has {groups} KV cache groups, and a device-resident block \
+                             is one slot of a pool of one group; report residency only for such pools",
+                            r.pool_id
+                        )));
+                    }
                     Ok(proto::device_event::Kind::Stored) => {
                         if e.slot >= slots {
                             return Err(ServerError::Transfer(TransferError::SlotOutOfRange {

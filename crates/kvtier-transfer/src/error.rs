@@ -23,6 +23,15 @@ pub enum TransferError {
         /// Slots in the pool.
         num_slots: u32,
     },
+    /// A request's slots for a pool of several KV cache groups that do not fit it: `field`
+    /// names the request field (`group_slots[0]`), `reason` says why.
+    #[error("{field}: {reason}")]
+    GroupSlots {
+        /// The field at fault.
+        field: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The same device slot appears twice in one request.
     #[error("device slot {slot} appears twice in one request")]
     DuplicateSlot {
@@ -138,6 +147,7 @@ impl TransferError {
             TransferError::Core(e) => e.kind(),
             TransferError::SlotOutOfRange { .. }
             | TransferError::DuplicateSlot { .. }
+            | TransferError::GroupSlots { .. }
             | TransferError::EmptyRequest { .. }
             | TransferError::Layout(_) => ErrorKind::InvalidArgument,
             TransferError::GeometryMismatch { .. }

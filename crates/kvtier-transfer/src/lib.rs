@@ -3,7 +3,9 @@
 //! - [`DevicePool`]: the engine's paged KV memory, described by a [`kvtier_core::PoolLayout`]
 //!   and copied in batches of one layer ([`DevicePool::submit`], completing through a
 //!   [`CopyTicket`]); [`CpuDevicePool`] is the shared-memory one (kvtier's pool file, or any
-//!   layout), created by the engine and opened by the sidecar by path.
+//!   layout), created by the engine and opened by the sidecar by path. [`GroupedSlots`] puts a
+//!   request on a pool of several KV cache groups (a slot per block per group) before the
+//!   queues.
 //! - [`TransferQueues`]: the full-duplex pair — [`LoadQueue`] (host → device, layer by layer,
 //!   with an event per finished layer) and [`StoreQueue`] (device → host, bounded, dropping
 //!   with a counted reason rather than stalling loads) — each on its own OS threads, each
@@ -16,6 +18,7 @@ mod device_pool;
 mod disk_io_gate;
 mod error;
 mod event_sink;
+mod grouped_slots;
 mod load_queue;
 mod queue_core;
 mod route;
@@ -36,6 +39,7 @@ pub use cpu_pool::{CpuDevicePool, POOL_HEADER_BYTES};
 pub use device_pool::{CopyDirection, CopyTicket, DevicePool, PendingCopies, SlotCopy};
 pub use error::TransferError;
 pub use event_sink::EventSink;
+pub use grouped_slots::{GroupedSlots, NO_SLOT};
 pub use load_queue::{InflightBlocks, LoadBlock, LoadEvent, LoadHandle, LoadQueue, LoadReport, LoadTicket};
 pub use queue_core::QueueStats;
 pub use route::{Route, RouteFigures, RouteStats};

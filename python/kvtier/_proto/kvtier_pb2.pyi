@@ -120,7 +120,7 @@ class PoolLayout(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[_Union[LayerLayout, _Mapping]]] = ...) -> None: ...
 
 class LayerLayout(_message.Message):
-    __slots__ = ("k_buffer", "k_offset", "v_buffer", "v_offset", "slot_stride", "token_stride", "head_stride")
+    __slots__ = ("k_buffer", "k_offset", "v_buffer", "v_offset", "slot_stride", "token_stride", "head_stride", "group")
     K_BUFFER_FIELD_NUMBER: _ClassVar[int]
     K_OFFSET_FIELD_NUMBER: _ClassVar[int]
     V_BUFFER_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class LayerLayout(_message.Message):
     SLOT_STRIDE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_STRIDE_FIELD_NUMBER: _ClassVar[int]
     HEAD_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     k_buffer: int
     k_offset: int
     v_buffer: int
@@ -135,7 +136,8 @@ class LayerLayout(_message.Message):
     slot_stride: int
     token_stride: int
     head_stride: int
-    def __init__(self, k_buffer: _Optional[int] = ..., k_offset: _Optional[int] = ..., v_buffer: _Optional[int] = ..., v_offset: _Optional[int] = ..., slot_stride: _Optional[int] = ..., token_stride: _Optional[int] = ..., head_stride: _Optional[int] = ...) -> None: ...
+    group: int
+    def __init__(self, k_buffer: _Optional[int] = ..., k_offset: _Optional[int] = ..., v_buffer: _Optional[int] = ..., v_offset: _Optional[int] = ..., slot_stride: _Optional[int] = ..., token_stride: _Optional[int] = ..., head_stride: _Optional[int] = ..., group: _Optional[int] = ...) -> None: ...
 
 class CudaPool(_message.Message):
     __slots__ = ("device_ordinal", "device_uuid", "buffers")
@@ -212,7 +214,7 @@ class MatchResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., device_slots: _Optional[_Iterable[int]] = ..., keys: _Optional[bytes] = ..., matched_tokens: _Optional[int] = ..., device_tokens: _Optional[int] = ..., host_tokens: _Optional[int] = ..., disk_tokens: _Optional[int] = ..., remote_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("session_id", "pool_id", "cache_salt", "keys", "slots", "deadline_ms", "layer_event_stride", "done_only")
+    __slots__ = ("session_id", "pool_id", "cache_salt", "keys", "slots", "deadline_ms", "layer_event_stride", "done_only", "group_slots")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +223,7 @@ class LoadRequest(_message.Message):
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     LAYER_EVENT_STRIDE_FIELD_NUMBER: _ClassVar[int]
     DONE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SLOTS_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     pool_id: int
     cache_salt: str
@@ -229,7 +232,14 @@ class LoadRequest(_message.Message):
     deadline_ms: int
     layer_event_stride: int
     done_only: bool
-    def __init__(self, session_id: _Optional[int] = ..., pool_id: _Optional[int] = ..., cache_salt: _Optional[str] = ..., keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., deadline_ms: _Optional[int] = ..., layer_event_stride: _Optional[int] = ..., done_only: _Optional[bool] = ...) -> None: ...
+    group_slots: _containers.RepeatedCompositeFieldContainer[GroupSlots]
+    def __init__(self, session_id: _Optional[int] = ..., pool_id: _Optional[int] = ..., cache_salt: _Optional[str] = ..., keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., deadline_ms: _Optional[int] = ..., layer_event_stride: _Optional[int] = ..., done_only: _Optional[bool] = ..., group_slots: _Optional[_Iterable[_Union[GroupSlots, _Mapping]]] = ...) -> None: ...
+
+class GroupSlots(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadEvent(_message.Message):
     __slots__ = ("layer_ready", "missing", "done")
@@ -282,7 +292,7 @@ class LoadDone(_message.Message):
     def __init__(self, loaded_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., missing: _Optional[bytes] = ..., bytes: _Optional[int] = ..., timing: _Optional[_Union[TransferTiming, _Mapping]] = ..., remote_blocks: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("session_id", "pool_id", "cache_salt", "keys", "slots", "parent", "durable")
+    __slots__ = ("session_id", "pool_id", "cache_salt", "keys", "slots", "parent", "durable", "group_slots")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +300,7 @@ class StoreRequest(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SLOTS_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     pool_id: int
     cache_salt: str
@@ -297,7 +308,8 @@ class StoreRequest(_message.Message):
     slots: _containers.RepeatedScalarFieldContainer[int]
     parent: bytes
     durable: bool
-    def __init__(self, session_id: _Optional[int] = ..., pool_id: _Optional[int] = ..., cache_salt: _Optional[str] = ..., keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., parent: _Optional[bytes] = ..., durable: _Optional[bool] = ...) -> None: ...
+    group_slots: _containers.RepeatedCompositeFieldContainer[GroupSlots]
+    def __init__(self, session_id: _Optional[int] = ..., pool_id: _Optional[int] = ..., cache_salt: _Optional[str] = ..., keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., parent: _Optional[bytes] = ..., durable: _Optional[bool] = ..., group_slots: _Optional[_Iterable[_Union[GroupSlots, _Mapping]]] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("stored_blocks", "already_stored", "no_space", "bytes", "timing", "durable_blocks", "not_durable")

@@ -45,12 +45,15 @@ def _strides(x: torch.Tensor, what: str) -> tuple[int, int, int]:
     return s[0] * e, s[1] * e, s[2] * e
 
 
-def layer_layout(planes: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 place: _Place) -> list[tuple[int, ...]]:
+def layer_layout(planes: Sequence[tuple[torch.Tensor, torch.Tensor]], place: _Place,
+                 groups: Sequence[int] | None = None) -> list[tuple[int, ...]]:
     """Per layer ``(k_buffer, k_offset, v_buffer, v_offset, slot_stride, token_stride,
-    head_stride)`` in bytes, for K and V views ``[blocks, token, head, dim]``; ``place`` names
-    the buffer and offset of an address. Whether the strides keep slots, tokens, heads, K and V
-    apart is the sidecar's check (``InvalidArgument`` naming the field)."""
+    head_stride, group)`` in bytes, for K and V views ``[blocks, token, head, dim]``; ``place``
+    names the buffer and offset of an address, ``groups`` each layer's KV cache group (all 0 if
+    None). Whether the strides keep slots, tokens, heads, K and V apart (within a group) is the
+    sidecar's check (``InvalidArgument`` naming the field)."""
+    if groups is not None and len(groups) != len(planes):
+        raise NotInPlace(f"{len(groups)} KV cache groups given for {len(planes)} layers")
     out = []
     for i, (k, v) in enumerate(planes):
         ks = _strides(k, f"layer {i}'s K")
@@ -61,7 +64,7 @@ def layer_layout(planes: Sequence[tuple[torch.Tensor, torch.Tensor]],
             raise NotInPlace(f"layer {i}: block stride {ks[0]}")
         kb, ko = place.locate(k)
         vb, vo = place.locate(v)
-        out.append((kb, ko, vb, vo, *ks))
+        out.append((kb, ko, vb, vo, *ks, groups[i] if groups is not None else 0))
     return out
 
 
@@ -137,11 +140,14 @@ def _device_uuid(device: torch.device) -> bytes:
 
 
 def register_in_place(session: Session, planes: Sequence[tuple[torch.Tensor, torch.Tensor]], model_id: str, *,
-                      tp_rank: int = 0, tp_size: int = 1) -> PoolHandle:
+                      tp_rank: int = 0, tp_size: int = 1, groups: Sequence[int] | None = None) -> PoolHandle:
     """Registers the engine's KV where it lies: per layer its K and V as ``[blocks, token,
-    head, dim]`` views (every layer the same number of blocks, which are the pool's slots).
-    Raises :class:`NotInPlace` where that cannot be done, and the sidecar's error (e.g.
-    :class:`~kvtier.errors.FailedPrecondition` from a sidecar without CUDA) where it refuses."""
+    head, dim]`` views (every layer the same number of blocks, which are the pool's slots),
+    and with ``groups`` each layer's KV cache group (an engine with a block table per group,
+    whose layers of different groups may lie over the same memory; loads and stores then
+    name a slot per group). Raises :class:`NotInPlace` where that cannot be done, and the
+    sidecar's error (e.g. :class:`~kvtier.errors.FailedPrecondition` from a sidecar without
+    CUDA) where it refuses."""
     if not planes:
         raise NotInPlace("no layers")
     device = planes[0][0].device
@@ -152,13 +158,13 @@ def register_in_place(session: Session, planes: Sequence[tuple[torch.Tensor, tor
                 raise NotInPlace(f"layer {i}: {x.shape[0]} blocks on {x.device}, layer 0 {blocks} on {device}")
     if device.type == "cuda":
         cuda = _CudaPlace()
-        layout = layer_layout(planes, cuda)
+        layout = layer_layout(planes, cuda, groups)
         return session.register_cuda_pool(
             cuda.buffers(), layout, model_id, num_slots=blocks, device_ordinal=device.index or 0,
             device_uuid=_device_uuid(device), tp_rank=tp_rank, tp_size=tp_size)
     if device.type == "cpu":
         file = _FilePlace()
-        layout = layer_layout(planes, file)
+        layout = layer_layout(planes, file, groups)
         assert file.path is not None
         return session.register_pool(file.path, model_id, num_slots=blocks, layout=layout, tp_rank=tp_rank,
                                      tp_size=tp_size)

@@ -53,10 +53,15 @@ other attention kinds, in KV cache groups with a block table each; the connector
 order. A block is saved in the step that computes it, while every group still holds it (a
 block some group has already dropped is not saved, nor any before it); a load copies each
 layer into its own group's block, and none into a group's null blocks (sliding-window layers
-before their window). Such models go through the staging pool (a kvtier slot is one block of
-every layer; the groups' block tables differ) and load in the background (``load_async`` is
-implied: vLLM takes a hybrid model's failed load only per request, ``failed_recving``). Every
-group must be attention of one geometry; Mamba state and MLA latents are refused by name.
+before their window). In place, each layer is registered in its group and every ``Load`` and
+``Store`` names each block's slot in every group (``group_slots``; ``NO_SLOT`` for a group's
+null block); as the window groups free blocks when the window moves on, unannounced, a step's
+stores finish before the next step's loads and forward start (instead of the finished
+requests' blocks waiting for them). Through staging, a kvtier slot is one block of every layer,
+copied from and to each group's blocks. Either way such models load in the background
+(``load_async`` is implied: vLLM takes a hybrid model's failed load only per request,
+``failed_recving``). Every group must be attention of one geometry; Mamba state and MLA
+latents are refused by name.
 
 Copies reorder each block between vLLM's per-layer views (``[block, head, token, K‖V]``, the
 standardized ``[B, H, N, C]`` views of vLLM ≥ 0.34, any physical layout; or the older
@@ -105,6 +110,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from .. import NO_SLOT
 from ..errors import KvtierError
 from ..geometry import Geometry
 from ..keys import BlockKeys
@@ -129,6 +135,13 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+
+
+def _slot(block: int) -> int:
+    """A vLLM block id as a kvtier slot of vLLM's KV registered in place: the null block (a
+    group keeps no block there) is ``NO_SLOT``."""
+    return NO_SLOT if block == NULL_BLOCK else block
+
 
 _DTYPES = {
     torch.float16: "f16",
@@ -492,8 +505,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                                connect_timeout=REOPEN_CONNECT_TIMEOUT_S)
         try:
             if self._in_place:
-                handle = register_in_place(session, [kv_planes(t, self._geometry.head_dim) for t in self._kv_caches],
-                                           self._model, tp_rank=self._tp_rank, tp_size=self._tp_size)
+                handle = self._register_in_place(session)
             else:
                 assert self._pool is not None
                 handle = session.register_pool(self._pool, self._model, tp_rank=self._tp_rank, tp_size=self._tp_size)
@@ -688,9 +700,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forgets the request. A request whose blocks were saved keeps them until the workers
         report its stores done (``get_finished``), because a worker that registered vLLM's KV
-        in place stores straight from those blocks; with ``kv_path`` = ``staging`` (and for
-        hybrid models, always staged) the saves copy out within the step, and the blocks are
-        freed at once."""
+        in place stores straight from those blocks; with ``kv_path`` = ``staging`` the saves
+        copy out within the step, and the blocks are freed at once. So are a hybrid model's:
+        its workers let a step's stores finish before the next step writes any block."""
         st = self._reqs.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
@@ -766,12 +778,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             if self._kv_path != "staging":
                 try:
-                    if self._num_groups > 1:
-                        raise NotInPlace(f"{self._num_groups} KV cache groups (a hybrid model) have a block table "
-                                         "each, and a kvtier slot is one block of every layer")
-                    self._handle = register_in_place(
-                        self._session, [kv_planes(t, g.head_dim) for t in caches], self._model,
-                        tp_rank=self._tp_rank, tp_size=self._tp_size)
+                    self._handle = self._register_in_place(self._session)
                     self._in_place = True
                     logger.info("kvtier: vLLM's KV cache (%s) registered in place", caches[0].device)
                 except (NotInPlace, KvtierError) as e:
@@ -796,6 +803,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-store")
         if self._load_async:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+
+    def _register_in_place(self, session: Session) -> PoolHandle:
+        """vLLM's KV registered where it lies, each layer in its KV cache group."""
+        return register_in_place(session, [kv_planes(t, self._geometry.head_dim) for t in self._kv_caches],
+                                 self._model, tp_rank=self._tp_rank, tp_size=self._tp_size,
+                                 groups=self._layer_groups)
 
     # --- staging slots ---------------------------------------------------------------------
 
@@ -834,6 +847,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         the free staging slots are then loaded first, whole, in runs)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
+        if self._in_place and self._num_groups > 1:
+            # A hybrid model's sliding-window groups free blocks as the window moves on, with
+            # no word to the connector: the stores reading them in place end before this
+            # step's loads and forward may write them again.
+            self._reap(block=True)
         self._session_ok()  # else the loads fail, and their blocks are recomputed
         session, handle = self._ready()
         self._finish_loads()
@@ -911,11 +929,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         blocks in place (``slots`` empty), else into staging ``slots`` (the blocks past them
         fail)."""
         blocks = spec.block_ids
-        into = slots if not self._in_place else blocks
+        into = slots if not self._in_place else [_slot(b) for b in blocks]
+        # In place, a hybrid model's other groups' blocks (none where a group keeps none).
+        groups = [[_slot(b) for b in g] for g in spec.group_block_ids] if self._in_place else []
         n = len(into)
         got = _Fetched(slots=slots, failed=set(blocks[n:]), copy_blocks=[[] for _ in range(self._num_groups)])
         try:
-            done = session.load_wait(handle, keys[:n], into, cache_salt=spec.cache_salt) if n else None
+            done = session.load_wait(handle, keys[:n], into, cache_salt=spec.cache_salt,
+                                     group_slots=groups) if n else None
         except Exception as e:  # noqa: BLE001 - whatever happened, the request must be reported
             # (a load that never reports leaves the request waiting in vLLM forever)
             logger.warning("kvtier: load for %s failed: %s", spec.req_id, e)
@@ -1095,7 +1116,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             for spec in meta.saves:
                 keys, parent = self._save_keys(spec)
                 self._submit_store(spec.req_id, session, handle, keys, list(spec.block_ids), parent,
-                                   spec.cache_salt, computed)
+                                   spec.cache_salt, computed, spec.group_block_ids)
             self._reap(block=False)
             return
         plan = self._layer_saves()
@@ -1127,21 +1148,25 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._reap(block=False)
 
     def _submit_store(self, req_id: str, session: Session, handle: PoolHandle, keys: BlockKeys, slots: list[int],
-                      parent: int | None, salt: str, computed: torch.cuda.Event | None) -> None:
+                      parent: int | None, salt: str, computed: torch.cuda.Event | None,
+                      groups: list[list[int]] | None = None) -> None:
         assert self._executor is not None
         self._stores_of[req_id] = self._stores_of.get(req_id, 0) + 1
         self._stores.append((req_id, slots, self._executor.submit(
-            self._store, session, handle, keys, slots, parent, salt, computed)))
+            self._store, session, handle, keys, slots, parent, salt, computed, groups or [])))
 
     def _store(self, session: Session, handle: PoolHandle, keys: BlockKeys, slots: list[int],
-               parent: int | None, salt: str, computed: torch.cuda.Event | None) -> list[int] | None:
+               parent: int | None, salt: str, computed: torch.cuda.Event | None,
+               groups: list[list[int]]) -> list[int] | None:
         """One Store (on the store thread): the keys kvtier took, or None when its outcome is
-        unknown (then its slots stay out of use: :meth:`_reap`)."""
+        unknown (then its slots stay out of use: :meth:`_reap`). ``groups``: in place, a hybrid
+        model's blocks in KV cache groups 1, 2, ..."""
         unknown = False
         try:
             if computed is not None:
                 computed.synchronize()  # the forward that wrote the blocks is done
-            r = session.store(handle, keys, slots, parent=parent, cache_salt=salt, timeout=self._store_timeout_s)
+            r = session.store(handle, keys, slots, parent=parent, cache_salt=salt, group_slots=groups,
+                              timeout=self._store_timeout_s)
             refused = set(r.no_space)
             return [k for k in keys if k not in refused]
         except KvtierError as e:
