@@ -939,7 +939,8 @@ def test_hybrid_models_in_shared_memory_move_in_place(sidecar: Sidecar, model_di
     a full-attention layer (vLLM's hybrid KV cache manager gives a block to one group at a
     time), registers in place with each layer's KV cache group (no staging pool): stores read,
     and background loads write, each group's own blocks straight in vLLM's memory, none into
-    the window group's null blocks; a step's stores end before the next step's loads start."""
+    the window group's null blocks; a step's stores end before its wait_for_save returns (vLLM
+    may write a freed window block in the next step before it calls start_load_kv)."""
     salt = "hybrid-in-place"
     config = vllm_config(sidecar, model_dir, kv_path="in_place", cache_salt=salt)
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
@@ -955,25 +956,21 @@ def test_hybrid_models_in_shared_memory_move_in_place(sidecar: Sidecar, model_di
         w = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
         w.register_kv_caches(caches)
         assert w._in_place and w._pool is None and w._loader is not None, "in place, loads in the background"
-        # The store thread is held until a step starts with a store queued: that step's
-        # start_load_kv must wait for it (the steps do not reap their stores themselves).
+        # The store thread is held for a while: a step that saves must not return from
+        # wait_for_save before its stores ran (the steps do not reap their stores themselves).
         assert w._executor is not None
         w._executor.submit(gate.wait)
-        started, seen = w.start_load_kv, []
+        threading.Timer(0.5, gate.set).start()
+        saved, seen = w.wait_for_save, []
 
-        def pending() -> int:
-            return sum(not f.done() for _, _, f in w._stores)
+        def wait_for_save() -> None:
+            saves = bool(w._get_connector_metadata().saves) if w.has_connector_metadata() else False
+            saved()
+            seen.append((saves, sum(not f.done() for _, _, f in w._stores)))
 
-        def start_load_kv(ctx: Any, **kw: Any) -> None:
-            before = pending()
-            if before:
-                gate.set()
-            started(ctx, **kw)
-            seen.append((before, pending()))
-
-        w.start_load_kv = start_load_kv  # type: ignore[method-assign]
+        w.wait_for_save = wait_for_save  # type: ignore[method-assign]
         hybrid_round_trip(s, w, caches, salt, sidecar.target, reap=False)
-        assert any(b for b, _ in seen) and not any(a for _, a in seen), seen
+        assert any(saves for saves, _ in seen) and not any(n for _, n in seen), seen
     finally:
         gate.set()
         if w is not None:

@@ -1,5 +1,5 @@
 """The vLLM connector's staging copies on a GPU (kvtier.integrations.staged_copies, the path for
-KV the sidecar cannot reach in place: a sidecar without CUDA, hybrid models): PyTorch KV in
+KV the sidecar cannot reach in place, e.g. a sidecar without CUDA): PyTorch KV in
 vLLM's layouts, each layer's blocks copied out on the copy stream into the pinned staging pool
 right after GPU work that writes them (as save_kv_layer does after a layer's attention), then
 back into zeroed blocks; bit-exact, with the copy-out rate. Run by scripts/gpu-check.sh with

@@ -53,12 +53,13 @@ pub fn decode_status<U: DecodeSide>(error: &prost::DecodeError) -> Status {
 }
 
 /// KV cache groups a Load or Store of the largest batch may name a slot in, per block, and
-/// still fit the message limit (vLLM's hybrid models have two or three).
-pub const MAX_LIMIT_GROUPS: usize = 4;
+/// still fit the message limit (vLLM splits a hybrid model's layers into groups of equal
+/// size: gpt-oss makes 2, Llama 4 4, Gemma 3's 5:1 sliding-to-full layers about 7).
+pub const MAX_LIMIT_GROUPS: usize = 8;
 
 /// Bytes one block can take in the largest kvtier.v1 message: its token ids at the varint's
 /// widest (5 bytes each) in a request, its packed key and a slot in each of
-/// [`MAX_LIMIT_GROUPS`] groups in a request (36 bytes), or its packed key, slot and tier in a
+/// [`MAX_LIMIT_GROUPS`] groups in a request (56 bytes), or its packed key, slot and tier in a
 /// reply (22 bytes) — whichever is largest — plus a margin for tags.
 const fn block_wire_bytes(block_tokens: u32) -> usize {
     let tokens = 5 * block_tokens as usize;
@@ -68,7 +69,7 @@ const fn block_wire_bytes(block_tokens: u32) -> usize {
 
 /// The gRPC message size limit that lets a request of `max_batch_blocks` blocks of
 /// `block_tokens` tokens through in any of its forms (token ids, or packed keys and slots):
-/// `max_batch_blocks * (max(5 * block_tokens, 36) + 16) + 64 KiB`, at least gRPC's default 4
+/// `max_batch_blocks * (max(5 * block_tokens, 56) + 16) + 64 KiB`, at least gRPC's default 4
 /// MiB. The sidecar decodes requests up to this size (larger ones are OUT_OF_RANGE before
 /// being read); 65,536 blocks of 64 tokens make 22 MiB.
 pub const fn max_message_bytes(max_batch_blocks: usize, block_tokens: u32) -> usize {

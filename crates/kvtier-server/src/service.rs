@@ -169,15 +169,15 @@ fn keys_and_slots(keys: &[u8], slots: &[u32]) -> Result<Vec<(BlockKey, u32)>, Se
 /// `b`. `load`: [`kvtier_transfer::NO_SLOT`] may leave a group's block unwritten.
 fn request_pool(
     device: &Arc<dyn DevicePool>,
-    slots: &[u32],
-    group_slots: &[proto::GroupSlots],
+    slots: Vec<u32>,
+    group_slots: Vec<proto::GroupSlots>,
     load: bool,
 ) -> Result<(Arc<dyn DevicePool>, Vec<u32>), ServerError> {
     if group_slots.is_empty() && device.layout().groups() == 1 {
-        return Ok((Arc::clone(device), slots.to_vec()));
+        return Ok((Arc::clone(device), slots));
     }
-    let lists = std::iter::once(slots.to_vec())
-        .chain(group_slots.iter().map(|g| g.slots.clone()))
+    let lists = std::iter::once(slots)
+        .chain(group_slots.into_iter().map(|g| g.slots))
         .collect();
     let grouped = GroupedSlots::new(Arc::clone(device), lists, load)?;
     let blocks = (0..grouped.blocks()).collect();
@@ -583,11 +583,16 @@ impl KvTier for KvTierService {
         let arrived = Instant::now();
         observed("Load", async {
             self.refuse_if_shutting_down()?;
-            let r = request.into_inner();
+            let mut r = request.into_inner();
             let pool = self.state.sessions.pool(r.session_id, r.pool_id)?;
             let pairs = keys_and_slots(&r.keys, &r.slots)?;
             self.check_batch("keys", pairs.len())?;
-            let (device, slots) = request_pool(&pool.device, &r.slots, &r.group_slots, true)?;
+            let (device, slots) = request_pool(
+                &pool.device,
+                std::mem::take(&mut r.slots),
+                std::mem::take(&mut r.group_slots),
+                true,
+            )?;
             let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
             let blocks: Vec<LoadBlock> = pairs
                 .into_iter()
@@ -659,11 +664,16 @@ impl KvTier for KvTierService {
     ) -> Result<Response<proto::StoreResponse>, Status> {
         observed("Store", async {
             self.refuse_if_shutting_down()?;
-            let r = request.into_inner();
+            let mut r = request.into_inner();
             let pool = self.state.sessions.pool(r.session_id, r.pool_id)?;
             let pairs = keys_and_slots(&r.keys, &r.slots)?;
             self.check_batch("keys", pairs.len())?;
-            let (device, slots) = request_pool(&pool.device, &r.slots, &r.group_slots, false)?;
+            let (device, slots) = request_pool(
+                &pool.device,
+                std::mem::take(&mut r.slots),
+                std::mem::take(&mut r.group_slots),
+                false,
+            )?;
             let mut parent = unpack_key("parent", &r.parent)?;
             let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
             let blocks: Vec<StoreBlock> = pairs

@@ -39,7 +39,7 @@ from the slots, freed when it returns).
 In place, a finished request whose blocks were saved keeps them (``request_finished`` answers
 True) until :meth:`~KvtierConnector.get_finished` reports its stores done, and
 :meth:`~KvtierConnector.handle_preemptions` lets a preempted request's stores finish before
-vLLM reuses its blocks. Finished stores' keys go back to the scheduler (worker metadata) and
+vLLM reuses its blocks (hybrid models differ: see below). Finished stores' keys go back to the scheduler (worker metadata) and
 come out of :meth:`~KvtierConnector.take_events` as ``BlockStored`` events (medium ``KVTIER``).
 Blocks it announced that leave kvtier come out as ``BlockRemoved`` (medium ``KVTIER``): as the
 sidecar reports them (the scheduler's session watches removals), or when a later ``Match`` no
@@ -56,8 +56,8 @@ layer into its own group's block, and none into a group's null blocks (sliding-w
 before their window). In place, each layer is registered in its group and every ``Load`` and
 ``Store`` names each block's slot in every group (``group_slots``; ``NO_SLOT`` for a group's
 null block); as the window groups free blocks when the window moves on, unannounced, a step's
-stores finish before the next step's loads and forward start (instead of the finished
-requests' blocks waiting for them). Through staging, a kvtier slot is one block of every layer,
+stores end before :meth:`~KvtierConnector.wait_for_save` returns (so before vLLM can write any
+block again), instead of the finished requests' blocks waiting for them. Through staging, a kvtier slot is one block of every layer,
 copied from and to each group's blocks. Either way such models load in the background
 (``load_async`` is implied: vLLM takes a hybrid model's failed load only per request,
 ``failed_recving``). Every group must be attention of one geometry; Mamba state and MLA
@@ -84,7 +84,8 @@ registers its pool again, one try per interval; vLLM computes meanwhile), ``matc
 computed without asking for ``reconnect_interval_s``), ``store_timeout_s`` (default 60: the
 longest a background store is waited for; one that times out may still be copying, so its
 staging slots, or in place its request's blocks, are kept from reuse until the session is
-replaced).
+replaced; a hybrid model's blocks in place cannot be kept, as vLLM frees window blocks itself:
+the sidecar publishes nothing of a store whose call was cancelled before its copies ended).
 """
 
 from __future__ import annotations
@@ -442,7 +443,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._stores: deque[tuple[str, list[int], Future[list[int] | None]]] = deque()
         #: Stores whose outcome is unknown (the call failed after it was sent: the sidecar may
         #: still be copying): (request, staging slots); the slots, or in place the request's
-        #: blocks, are kept from reuse until the session is replaced.
+        #: blocks (not a hybrid model's), are kept from reuse until the session is replaced.
         self._unsure: list[tuple[str, list[int]]] = []
         self._stores_of: dict[str, int] = {}   # stores in flight per request
         self._delayed: set[str] = set()        # finished requests whose free waits on stores
@@ -702,7 +703,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         report its stores done (``get_finished``), because a worker that registered vLLM's KV
         in place stores straight from those blocks; with ``kv_path`` = ``staging`` the saves
         copy out within the step, and the blocks are freed at once. So are a hybrid model's:
-        its workers let a step's stores finish before the next step writes any block."""
+        its workers' in-place stores end within the step that saves them."""
         st = self._reqs.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
@@ -847,11 +848,6 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         the free staging slots are then loaded first, whole, in runs)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
-        if self._in_place and self._num_groups > 1:
-            # A hybrid model's sliding-window groups free blocks as the window moves on, with
-            # no word to the connector: the stores reading them in place end before this
-            # step's loads and forward may write them again.
-            self._reap(block=True)
         self._session_ok()  # else the loads fail, and their blocks are recomputed
         session, handle = self._ready()
         self._finish_loads()
@@ -1094,8 +1090,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         """Finishes this step's loads, then queues one ``Store`` per saved run on a background
         thread: straight from vLLM's blocks when its KV is registered in place (after the
         step's GPU work is done; the request's blocks stay vLLM's until ``get_finished``
-        reports it), else from the staging slots the blocks were copied into (per layer by
-        :meth:`save_kv_layer`, the rest now; vLLM may reuse its blocks when this returns)."""
+        reports it; a hybrid model's stores end before this returns), else from the staging
+        slots the blocks were copied into (per layer by :meth:`save_kv_layer`, the rest now;
+        vLLM may reuse its blocks when this returns)."""
         self._finish_loads()
         if not self.has_connector_metadata():
             return
@@ -1117,7 +1114,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 keys, parent = self._save_keys(spec)
                 self._submit_store(spec.req_id, session, handle, keys, list(spec.block_ids), parent,
                                    spec.cache_salt, computed, spec.group_block_ids)
-            self._reap(block=False)
+            # A hybrid model's window groups free blocks as the window moves on, unannounced,
+            # and vLLM may write a freed block as soon as this step returns (in the next step's
+            # forward, its block copies or loads): the stores reading them end first.
+            self._reap(block=self._num_groups > 1)
             return
         plan = self._layer_saves()
         for p in plan:  # layers vLLM did not save one by one
