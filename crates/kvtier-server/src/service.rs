@@ -166,13 +166,15 @@ fn keys_and_slots(keys: &[u8], slots: &[u32]) -> Result<Vec<(BlockKey, u32)>, Se
 /// The pool a request's copies go through, and each block's slot in it: the registered pool
 /// and `slots` where its layout has one KV cache group and the request names no others; else a
 /// [`GroupedSlots`] over it (group 0's `slots`, then `group_slots`), whose slot `b` is block
-/// `b`. `load`: [`kvtier_transfer::NO_SLOT`] may leave a group's block unwritten.
+/// `b`. `load`: [`kvtier_transfer::NO_SLOT`] may leave a group's block unwritten. The lists
+/// are taken out of the request, not copied.
 fn request_pool(
     device: &Arc<dyn DevicePool>,
-    slots: Vec<u32>,
-    group_slots: Vec<proto::GroupSlots>,
+    slots: &mut Vec<u32>,
+    group_slots: &mut Vec<proto::GroupSlots>,
     load: bool,
 ) -> Result<(Arc<dyn DevicePool>, Vec<u32>), ServerError> {
+    let (slots, group_slots) = (std::mem::take(slots), std::mem::take(group_slots));
     if group_slots.is_empty() && device.layout().groups() == 1 {
         return Ok((Arc::clone(device), slots));
     }
@@ -587,12 +589,7 @@ impl KvTier for KvTierService {
             let pool = self.state.sessions.pool(r.session_id, r.pool_id)?;
             let pairs = keys_and_slots(&r.keys, &r.slots)?;
             self.check_batch("keys", pairs.len())?;
-            let (device, slots) = request_pool(
-                &pool.device,
-                std::mem::take(&mut r.slots),
-                std::mem::take(&mut r.group_slots),
-                true,
-            )?;
+            let (device, slots) = request_pool(&pool.device, &mut r.slots, &mut r.group_slots, true)?;
             let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
             let blocks: Vec<LoadBlock> = pairs
                 .into_iter()
@@ -668,12 +665,7 @@ impl KvTier for KvTierService {
             let pool = self.state.sessions.pool(r.session_id, r.pool_id)?;
             let pairs = keys_and_slots(&r.keys, &r.slots)?;
             self.check_batch("keys", pairs.len())?;
-            let (device, slots) = request_pool(
-                &pool.device,
-                std::mem::take(&mut r.slots),
-                std::mem::take(&mut r.group_slots),
-                false,
-            )?;
+            let (device, slots) = request_pool(&pool.device, &mut r.slots, &mut r.group_slots, false)?;
             let mut parent = unpack_key("parent", &r.parent)?;
             let ns = pool.namespace(self.state.geometry, &r.cache_salt)?;
             let blocks: Vec<StoreBlock> = pairs
