@@ -934,15 +934,15 @@ def test_hybrid_models_store_whole_blocks_and_load_each_groups_own(sidecar: Side
         s.connector.shutdown()
 
 
-def test_hybrid_models_in_shared_memory_move_in_place(sidecar: Sidecar, model_dir: str) -> None:
-    """A hybrid model's KV in a shared file, each sliding-window layer over the same memory as
-    a full-attention layer (vLLM's hybrid KV cache manager gives a block to one group at a
-    time), registers in place with each layer's KV cache group (no staging pool): stores read,
-    and background loads write, each group's own blocks straight in vLLM's memory, none into
-    the window group's null blocks; a step's stores end before its wait_for_save returns (vLLM
-    may write a freed window block in the next step before it calls start_load_kv)."""
-    salt = "hybrid-in-place"
-    config = vllm_config(sidecar, model_dir, kv_path="in_place", cache_salt=salt)
+@contextmanager
+def hybrid_in_place(sidecar: Sidecar, model_dir: str, salt: str, hold_s: float,
+                    **extra: Any) -> Iterator[tuple[Scheduler, KvtierConnector, dict[str, torch.Tensor], list[Any]]]:
+    """A real Scheduler and a worker whose hybrid KV lies in a shared file, each sliding-window
+    layer over the same memory as a full-attention layer (vLLM's hybrid KV cache manager gives
+    a block to one group at a time), registered in place; its store thread held for ``hold_s``
+    seconds. Yields them and, per ``wait_for_save``, (whether the step saved, stores of the
+    worker still pending when it returned)."""
+    config = vllm_config(sidecar, model_dir, kv_path="in_place", cache_salt=salt, **extra)
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
     kcc = hybrid_kv_cache_config(window_tokens=2 * BLOCK)
     s = scheduler(config, kcc)
@@ -956,11 +956,9 @@ def test_hybrid_models_in_shared_memory_move_in_place(sidecar: Sidecar, model_di
         w = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
         w.register_kv_caches(caches)
         assert w._in_place and w._pool is None and w._loader is not None, "in place, loads in the background"
-        # The store thread is held for a while: a step that saves must not return from
-        # wait_for_save before its stores ran (the steps do not reap their stores themselves).
         assert w._executor is not None
         w._executor.submit(gate.wait)
-        threading.Timer(0.5, gate.set).start()
+        threading.Timer(hold_s, gate.set).start()
         saved, seen = w.wait_for_save, []
 
         def wait_for_save() -> None:
@@ -969,14 +967,45 @@ def test_hybrid_models_in_shared_memory_move_in_place(sidecar: Sidecar, model_di
             seen.append((saves, sum(not f.done() for _, _, f in w._stores)))
 
         w.wait_for_save = wait_for_save  # type: ignore[method-assign]
-        hybrid_round_trip(s, w, caches, salt, sidecar.target, reap=False)
-        assert any(saves for saves, _ in seen) and not any(n for _, n in seen), seen
+        yield s, w, caches, seen
     finally:
         gate.set()
         if w is not None:
             w.shutdown()
         s.connector.shutdown()
         path.unlink(missing_ok=True)
+
+
+def test_hybrid_models_in_shared_memory_move_in_place(sidecar: Sidecar, model_dir: str) -> None:
+    """A hybrid model's KV in a shared file registers in place with each layer's KV cache
+    group (no staging pool): stores read, and background loads write, each group's own blocks
+    straight in vLLM's memory, none into the window group's null blocks; with the store thread
+    held, a step's stores still end before its wait_for_save returns (vLLM may write a freed
+    window block in the next step before it calls start_load_kv)."""
+    salt = "hybrid-in-place"
+    with hybrid_in_place(sidecar, model_dir, salt, hold_s=0.5) as (s, w, caches, seen):
+        hybrid_round_trip(s, w, caches, salt, sidecar.target, reap=False)
+        assert any(saves for saves, _ in seen) and not any(n for _, n in seen), seen
+
+
+def test_hybrid_in_place_stores_share_one_deadline_per_step(sidecar: Sidecar, model_dir: str) -> None:
+    """A hybrid model's in-place stores of a step share store_timeout_s: with the store thread
+    held past it, wait_for_save returns once the thread is free and the store still queued is
+    skipped, not sent late (vLLM may have written its blocks by then): nothing of that step's
+    run is stored, so the prefix matches nothing."""
+    salt = "hybrid-deadline"
+    with hybrid_in_place(sidecar, model_dir, salt, hold_s=1.0, store_timeout_s=0.2) as (s, w, caches, seen):
+        prompt = torch.randint(100, 30000, (6 * BLOCK + 4,), generator=torch.Generator().manual_seed(8)).tolist()
+        s.add_request(request("a", prompt))
+        for _ in range(20):
+            if not s.has_requests():
+                break
+            hybrid_step(s, w, caches, reap=False)
+        w.flush()
+        assert seen[0] == (True, 0), seen
+        with kvtier.connect(sidecar.target, "checker") as other, kvtier.CpuPool.create(other.geometry, 1) as p1:
+            h = other.register_pool(p1, "test/tiny-llama")
+            assert other.match(h, token_ids=prompt, cache_salt=salt).matched_blocks == 0
 
 
 def test_hybrid_layers_keep_the_models_order_and_other_shapes_are_refused_by_name() -> None:

@@ -57,7 +57,8 @@ before their window). In place, each layer is registered in its group and every 
 ``Store`` names each block's slot in every group (``group_slots``; ``NO_SLOT`` for a group's
 null block); as the window groups free blocks when the window moves on, unannounced, a step's
 stores end before :meth:`~KvtierConnector.wait_for_save` returns (so before vLLM can write any
-block again), instead of the finished requests' blocks waiting for them. Through staging, a kvtier slot is one block of every layer,
+block again; within ``store_timeout_s`` all together, a store still queued then is skipped),
+instead of the finished requests' blocks waiting for them. Through staging, a kvtier slot is one block of every layer,
 copied from and to each group's blocks. Either way such models load in the background
 (``load_async`` is implied: vLLM takes a hybrid model's failed load only per request,
 ``failed_recving``). Every group must be attention of one geometry; Mamba state and MLA
@@ -1110,14 +1111,17 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             if meta.saves and self._kv_caches[0].is_cuda:
                 computed = torch.cuda.Event()
                 computed.record()
+            # A hybrid model's window groups free blocks as the window moves on, unannounced,
+            # and vLLM may write a freed block as soon as this step returns (in the next step's
+            # forward, its block copies or loads): the stores reading them end first, all
+            # within store_timeout_s (whatever their number).
+            hybrid = self._num_groups > 1
+            deadline = time.monotonic() + self._store_timeout_s if hybrid else None
             for spec in meta.saves:
                 keys, parent = self._save_keys(spec)
                 self._submit_store(spec.req_id, session, handle, keys, list(spec.block_ids), parent,
-                                   spec.cache_salt, computed, spec.group_block_ids)
-            # A hybrid model's window groups free blocks as the window moves on, unannounced,
-            # and vLLM may write a freed block as soon as this step returns (in the next step's
-            # forward, its block copies or loads): the stores reading them end first.
-            self._reap(block=self._num_groups > 1)
+                                   spec.cache_salt, computed, spec.group_block_ids, deadline)
+            self._reap(block=hybrid)
             return
         plan = self._layer_saves()
         for p in plan:  # layers vLLM did not save one by one
@@ -1149,24 +1153,33 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _submit_store(self, req_id: str, session: Session, handle: PoolHandle, keys: BlockKeys, slots: list[int],
                       parent: int | None, salt: str, computed: torch.cuda.Event | None,
-                      groups: list[list[int]] | None = None) -> None:
+                      groups: list[list[int]] | None = None, deadline: float | None = None) -> None:
         assert self._executor is not None
         self._stores_of[req_id] = self._stores_of.get(req_id, 0) + 1
         self._stores.append((req_id, slots, self._executor.submit(
-            self._store, session, handle, keys, slots, parent, salt, computed, groups or [])))
+            self._store, session, handle, keys, slots, parent, salt, computed, groups or [], deadline)))
 
     def _store(self, session: Session, handle: PoolHandle, keys: BlockKeys, slots: list[int],
                parent: int | None, salt: str, computed: torch.cuda.Event | None,
-               groups: list[list[int]]) -> list[int] | None:
+               groups: list[list[int]], deadline: float | None) -> list[int] | None:
         """One Store (on the store thread): the keys kvtier took, or None when its outcome is
         unknown (then its slots stay out of use: :meth:`_reap`). ``groups``: in place, a hybrid
-        model's blocks in KV cache groups 1, 2, ..."""
+        model's blocks in KV cache groups 1, 2, ... ``deadline`` (``time.monotonic()``): the
+        end of the step's time for its stores, which the step waits for; a store not sent by
+        then is skipped (the blocks may be vLLM's again when it would run)."""
         unknown = False
         try:
             if computed is not None:
                 computed.synchronize()  # the forward that wrote the blocks is done
+            timeout = self._store_timeout_s
+            if deadline is not None:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    logger.warning("kvtier: store of %d blocks skipped: the step's stores took store_timeout_s",
+                                   len(keys))
+                    return []
             r = session.store(handle, keys, slots, parent=parent, cache_salt=salt, group_slots=groups,
-                              timeout=self._store_timeout_s)
+                              timeout=timeout)
             refused = set(r.no_space)
             return [k for k in keys if k not in refused]
         except KvtierError as e:
