@@ -216,7 +216,7 @@ def compute(caches: dict[str, torch.Tensor], block_ids: list[int], gen: torch.Ge
 
 
 def step(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor], gen: torch.Generator,
-         written: dict[int, torch.Tensor]) -> Any:
+         written: dict[int, torch.Tensor], reap: bool = True) -> Any:
     out = s.schedule()
     # The model computes the scheduled tokens' blocks (the loaded ones are not computed).
     for r in out.scheduled_new_reqs:
@@ -229,7 +229,7 @@ def step(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.Tensor], gen:
         first = cached.num_computed_tokens[i] // BLOCK
         last = -(-(cached.num_computed_tokens[i] + out.num_scheduled_tokens[rid]) // BLOCK)
         compute(caches, ids[first:last], gen, written)
-    kvo = forward(w, caches, out)
+    kvo = forward(w, caches, out, reap)
     reqs = list(out.num_scheduled_tokens)
     # A token is sampled once a request's prompt is all computed (none for a prefill chunk);
     # schedule() has already advanced num_computed_tokens.
@@ -529,9 +529,10 @@ def test_kv_in_shared_memory_moves_in_place_and_frees_wait_for_stores(
     """vLLM's [2, blocks, token, head, dim] KV in a shared file is registered where it lies (no
     staging pool): the real Scheduler keeps a finished request's blocks until the worker
     reports its stores done, a preempted request's stores finish before handle_preemptions
-    returns, and a later request loads the blocks straight into vLLM's blocks, bit-exact."""
+    returns (in_place_stores = async: by default they end within the step, so none is in
+    flight then), and a later request loads the blocks straight into vLLM's blocks, bit-exact."""
     salt = "in-place"
-    config = vllm_config(sidecar, model_dir, kv_path="in_place", cache_salt=salt)
+    config = vllm_config(sidecar, model_dir, kv_path="in_place", cache_salt=salt, in_place_stores="async")
     kcc = kv_cache_config()
     s = scheduler(config, kcc)
     raw = shm_bytes(Path("/dev/shm") / f"kvtier-test-vllm-{os.getpid()}", 2 * LAYERS * NUM_BLOCKS * BLOCK * HEADS * DIM * 2)
@@ -745,6 +746,77 @@ def shm_caches(layout: KVCacheLayout, path: Path) -> dict[str, torch.Tensor]:
     return {n: logical[i] for i, n in enumerate(NAMES)}
 
 
+@contextmanager
+def held_in_place(sidecar: Sidecar, model_dir: str, salt: str, hold_s: float, hybrid: bool = False,
+                  **extra: Any) -> Iterator[tuple[Scheduler, KvtierConnector, dict[str, torch.Tensor], list[Any]]]:
+    """A real Scheduler and a worker whose KV lies in a shared file, registered in place, its
+    store thread held for ``hold_s`` seconds. ``hybrid``: two KV cache groups, each
+    sliding-window layer over the same memory as a full-attention layer (vLLM's hybrid KV cache
+    manager gives a block to one group at a time); else vLLM's ``[2, block, token, head, dim]``
+    per layer. Yields them and, per ``wait_for_save``, (whether the step saved, stores of the
+    worker still pending when it returned)."""
+    config = vllm_config(sidecar, model_dir, kv_path="in_place", cache_salt=salt, **extra)
+    if hybrid:
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        kcc = hybrid_kv_cache_config(window_tokens=2 * BLOCK)
+    else:
+        kcc = kv_cache_config()
+    s = scheduler(config, kcc)
+    path = Path("/dev/shm") / f"kvtier-test-vllm-held-{os.getpid()}"
+    w, gate = None, threading.Event()
+    try:
+        if hybrid:
+            # [B, H, N, K‖V] per layer; layers 2i (window) and 2i + 1 (full) share one tensor.
+            raw = shm_bytes(path, LAYERS // 2 * NUM_BLOCKS * HEADS * BLOCK * 2 * DIM * 2)
+            shared = raw.view(torch.float16).view(LAYERS // 2, NUM_BLOCKS, HEADS, BLOCK, 2 * DIM)
+            caches = {n: shared[i // 2] for i, n in enumerate(NAMES)}
+        else:
+            raw = shm_bytes(path, 2 * LAYERS * NUM_BLOCKS * BLOCK * HEADS * DIM * 2)
+            planes = raw.view(torch.float16).view(LAYERS, 2, NUM_BLOCKS, BLOCK, HEADS, DIM)
+            caches = {n: planes[i] for i, n in enumerate(NAMES)}
+        w = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
+        w.register_kv_caches(caches)
+        assert w._in_place and w._pool is None, "in place, no staging pool"
+        assert w._executor is not None
+        w._executor.submit(gate.wait)
+        threading.Timer(hold_s, gate.set).start()
+        saved, seen = w.wait_for_save, []
+
+        def wait_for_save() -> None:
+            saves = bool(w._get_connector_metadata().saves) if w.has_connector_metadata() else False
+            saved()
+            seen.append((saves, sum(not f.done() for _, _, f in w._stores)))
+
+        w.wait_for_save = wait_for_save  # type: ignore[method-assign]
+        yield s, w, caches, seen
+    finally:
+        gate.set()
+        if w is not None:
+            w.shutdown()
+        s.connector.shutdown()
+        path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("mode", ["in_step", "async"])
+def test_in_place_stores_end_within_the_step_unless_async(sidecar: Sidecar, model_dir: str, mode: str) -> None:
+    """Dense KV in place: by default a step's stores end before wait_for_save returns (vLLM ≥
+    0.34 copies blocks for the next step before it reports preemptions), checked with the store
+    thread held; with in_place_stores = async they run on after it, the finished request's
+    blocks kept for them. A value that is neither is refused by name."""
+    with held_in_place(sidecar, model_dir, f"in-place-{mode}", 0.5, in_place_stores=mode) as (s, w, caches, seen):
+        gen, written = torch.Generator().manual_seed(4), {}
+        s.add_request(request("a", torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()))
+        for _ in range(20):
+            if not s.has_requests():
+                break
+            step(s, w, caches, gen, written, reap=False)
+        assert seen[0][0], seen
+        assert (seen[0][1] == 0) == (mode == "in_step"), seen
+    with pytest.raises(ValueError, match="in_place_stores = 'later': give in_step or async"):
+        KvtierConnector(vllm_config(sidecar, model_dir, in_place_stores="later"), KVConnectorRole.WORKER,
+                        kv_cache_config())
+
+
 @pytest.mark.parametrize("layouts", [(KVCacheLayout.LBNHC, KVCacheLayout.BLHNC),
                                      (KVCacheLayout.BLNHC, KVCacheLayout.LBHNC),
                                      (KVCacheLayout.LHBNC, KVCacheLayout.BHLNC)])
@@ -934,48 +1006,6 @@ def test_hybrid_models_store_whole_blocks_and_load_each_groups_own(sidecar: Side
         s.connector.shutdown()
 
 
-@contextmanager
-def hybrid_in_place(sidecar: Sidecar, model_dir: str, salt: str, hold_s: float,
-                    **extra: Any) -> Iterator[tuple[Scheduler, KvtierConnector, dict[str, torch.Tensor], list[Any]]]:
-    """A real Scheduler and a worker whose hybrid KV lies in a shared file, each sliding-window
-    layer over the same memory as a full-attention layer (vLLM's hybrid KV cache manager gives
-    a block to one group at a time), registered in place; its store thread held for ``hold_s``
-    seconds. Yields them and, per ``wait_for_save``, (whether the step saved, stores of the
-    worker still pending when it returned)."""
-    config = vllm_config(sidecar, model_dir, kv_path="in_place", cache_salt=salt, **extra)
-    config.scheduler_config.disable_hybrid_kv_cache_manager = False
-    kcc = hybrid_kv_cache_config(window_tokens=2 * BLOCK)
-    s = scheduler(config, kcc)
-    path = Path("/dev/shm") / f"kvtier-test-vllm-hybrid-{os.getpid()}"
-    raw = shm_bytes(path, LAYERS // 2 * NUM_BLOCKS * HEADS * BLOCK * 2 * DIM * 2)
-    w, gate = None, threading.Event()
-    try:
-        # [B, H, N, K‖V] per layer; layers 2i (window) and 2i + 1 (full) share one tensor.
-        shared = raw.view(torch.float16).view(LAYERS // 2, NUM_BLOCKS, HEADS, BLOCK, 2 * DIM)
-        caches = {n: shared[i // 2] for i, n in enumerate(NAMES)}
-        w = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
-        w.register_kv_caches(caches)
-        assert w._in_place and w._pool is None and w._loader is not None, "in place, loads in the background"
-        assert w._executor is not None
-        w._executor.submit(gate.wait)
-        threading.Timer(hold_s, gate.set).start()
-        saved, seen = w.wait_for_save, []
-
-        def wait_for_save() -> None:
-            saves = bool(w._get_connector_metadata().saves) if w.has_connector_metadata() else False
-            saved()
-            seen.append((saves, sum(not f.done() for _, _, f in w._stores)))
-
-        w.wait_for_save = wait_for_save  # type: ignore[method-assign]
-        yield s, w, caches, seen
-    finally:
-        gate.set()
-        if w is not None:
-            w.shutdown()
-        s.connector.shutdown()
-        path.unlink(missing_ok=True)
-
-
 def test_hybrid_models_in_shared_memory_move_in_place(sidecar: Sidecar, model_dir: str) -> None:
     """A hybrid model's KV in a shared file registers in place with each layer's KV cache
     group (no staging pool): stores read, and background loads write, each group's own blocks
@@ -983,7 +1013,7 @@ def test_hybrid_models_in_shared_memory_move_in_place(sidecar: Sidecar, model_di
     held, a step's stores still end before its wait_for_save returns (vLLM may write a freed
     window block in the next step before it calls start_load_kv)."""
     salt = "hybrid-in-place"
-    with hybrid_in_place(sidecar, model_dir, salt, hold_s=0.5) as (s, w, caches, seen):
+    with held_in_place(sidecar, model_dir, salt, 0.5, hybrid=True) as (s, w, caches, seen):
         hybrid_round_trip(s, w, caches, salt, sidecar.target, reap=False)
         assert any(saves for saves, _ in seen) and not any(n for _, n in seen), seen
 
@@ -994,7 +1024,7 @@ def test_hybrid_in_place_stores_share_one_deadline_per_step(sidecar: Sidecar, mo
     skipped, not sent late (vLLM may have written its blocks by then): nothing of that step's
     run is stored, so the prefix matches nothing."""
     salt = "hybrid-deadline"
-    with hybrid_in_place(sidecar, model_dir, salt, hold_s=1.0, store_timeout_s=0.2) as (s, w, caches, seen):
+    with held_in_place(sidecar, model_dir, salt, 1.0, hybrid=True, store_timeout_s=0.2) as (s, w, caches, seen):
         prompt = torch.randint(100, 30000, (6 * BLOCK + 4,), generator=torch.Generator().manual_seed(8)).tolist()
         s.add_request(request("a", prompt))
         for _ in range(20):

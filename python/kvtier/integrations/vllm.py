@@ -77,7 +77,13 @@ matched blocks load in the background while the request waits in vLLM's
 as load errors. In place they land straight in vLLM's blocks; through staging they land in
 staging slots taken when the load starts (blocks beyond the free slots are reported as load
 errors, for vLLM to recompute) and are copied into vLLM's blocks by ``get_finished``),
-``staging_slots`` (default 256), ``model_name`` (default vLLM's served model name),
+``in_place_stores`` (``in_step``, the default: in place, a step's stores end before
+:meth:`~KvtierConnector.wait_for_save` returns, within ``store_timeout_s`` all together;
+``async``: a dense model's stores run on while the next steps compute, the finished requests'
+blocks kept until they end, but vLLM ≥ 0.34 applies a step's copy-on-write block copies
+before it reports the requests it preempted, so such a copy into a preempted request's block
+can race its store; hybrid models are always ``in_step``), ``staging_slots`` (default 256),
+``model_name`` (default vLLM's served model name),
 ``cache_salt`` (for requests without one), ``client_name``, ``reconnect_interval_s`` (default
 2: when the sidecar ends a session, by a restart, each side reopens it in the background and
 registers its pool again, one try per interval; vLLM computes meanwhile), ``match_timeout_s``
@@ -375,6 +381,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._kv_path not in ("auto", "in_place", "staging"):
             raise ValueError(f"kv_path = {self._kv_path!r}: give auto, in_place or staging")
         self._load_async = _flag(extra.get("load_async", False), "load_async")
+        self._in_place_stores = str(extra.get("in_place_stores", "in_step"))
+        if self._in_place_stores not in ("in_step", "async"):
+            raise ValueError(f"in_place_stores = {self._in_place_stores!r}: give in_step or async")
         self._reopener = Reopener(self._reopen, float(extra.get("reconnect_interval_s", 2.0)),
                                   f"vLLM {role.name.lower()}", retry_on=(NotInPlace,))
         self._match_timeout_s = float(extra.get("match_timeout_s", 1.0))
@@ -1091,7 +1100,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         """Finishes this step's loads, then queues one ``Store`` per saved run on a background
         thread: straight from vLLM's blocks when its KV is registered in place (after the
         step's GPU work is done; the request's blocks stay vLLM's until ``get_finished``
-        reports it; a hybrid model's stores end before this returns), else from the staging
+        reports it; the stores end before this returns unless ``in_place_stores`` = ``async``
+        for a model of one KV cache group), else from the staging
         slots the blocks were copied into (per layer by :meth:`save_kv_layer`, the rest now;
         vLLM may reuse its blocks when this returns)."""
         self._finish_loads()
@@ -1111,17 +1121,18 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             if meta.saves and self._kv_caches[0].is_cuda:
                 computed = torch.cuda.Event()
                 computed.record()
-            # A hybrid model's window groups free blocks as the window moves on, unannounced,
-            # and vLLM may write a freed block as soon as this step returns (in the next step's
-            # forward, its block copies or loads): the stores reading them end first, all
-            # within store_timeout_s (whatever their number).
-            hybrid = self._num_groups > 1
-            deadline = time.monotonic() + self._store_timeout_s if hybrid else None
+            # vLLM may write a block freed meanwhile as soon as this step returns: a hybrid
+            # model's window groups free blocks as the window moves on, unannounced, and vLLM
+            # >= 0.34 applies the next step's copy-on-write block copies before it reports
+            # preemptions. So the stores reading them end first (in_place_stores = in_step;
+            # always for a hybrid model), all within store_timeout_s whatever their number.
+            in_step = self._num_groups > 1 or self._in_place_stores == "in_step"
+            deadline = time.monotonic() + self._store_timeout_s if in_step else None
             for spec in meta.saves:
                 keys, parent = self._save_keys(spec)
                 self._submit_store(spec.req_id, session, handle, keys, list(spec.block_ids), parent,
                                    spec.cache_salt, computed, spec.group_block_ids, deadline)
-            self._reap(block=hybrid)
+            self._reap(block=in_step)
             return
         plan = self._layer_saves()
         for p in plan:  # layers vLLM did not save one by one
