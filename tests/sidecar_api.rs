@@ -880,10 +880,17 @@ async fn pools_of_several_kv_cache_groups_move_each_layer_in_its_groups_slot() {
             store(g0.clone(), group(vec![4, NO_SLOT, 6, 7])),
             "NO_SLOT in a store",
         ),
-        (store(g0.clone(), group(vec![4, 4, 6, 7])), "slot 4 appears twice"),
+        (
+            store(g0.clone(), group(vec![4, 4, 6, 7])),
+            "group_slots[0]: device slot 4 appears twice",
+        ),
         (
             store(g0.clone(), group(vec![4, 5, 6, 99])),
-            "slot 99 out of range",
+            "group_slots[0]: device slot 99 out of range",
+        ),
+        (
+            store(vec![0, 1, 99, 3], group(g1.clone())),
+            "slots: device slot 99 out of range",
         ),
     ] {
         refused(rpc.store(req).await.unwrap_err(), Code::InvalidArgument, words);
@@ -937,6 +944,15 @@ async fn pools_of_several_kv_cache_groups_move_each_layer_in_its_groups_slot() {
             .unwrap_err(),
         Code::InvalidArgument,
         "group_slots[0]: 3 slots for 4 keys",
+    );
+    // Layer 1 (group 1) lies on layer 0 (group 0): one slot in both groups of a load would
+    // take both layers into the same bytes.
+    refused(
+        rpc.load(load(l0.clone(), group(vec![12, NO_SLOT, 10, 15])))
+            .await
+            .unwrap_err(),
+        Code::InvalidArgument,
+        "group_slots[0]: device slot 10 is also in slots, and their layers share its bytes",
     );
     // A one-group pool takes no group_slots.
     let plain = engine(&sidecar, 8).await;

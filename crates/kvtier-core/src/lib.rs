@@ -27,6 +27,8 @@ pub use checksum::{Xxh3Stream, xxh3_64};
 pub use error::{CoreError, ErrorKind};
 pub use geometry::{Dtype, KvGeometry};
 pub use namespace::{Namespace, NamespaceFingerprint};
-pub use pool_layout::{LayerLayout, LayerRuns, LayoutError, LayoutKind, PoolLayout, SlotPiece, SlotPieces};
+pub use pool_layout::{
+    LayerLayout, LayerRuns, LayoutError, LayoutKind, MAX_KV_CACHE_GROUPS, PoolLayout, SlotPiece, SlotPieces,
+};
 pub use secret::{REDACTED, Secret};
 pub use tier::Tier;

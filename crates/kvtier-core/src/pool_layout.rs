@@ -268,6 +268,12 @@ impl Iterator for SlotPieces {
 
 impl ExactSizeIterator for SlotPieces {}
 
+/// KV cache groups a pool's layout may have: a Load or Store names a slot per block in each,
+/// and the gRPC message limit is sized for this many (vLLM splits a hybrid model's layers into
+/// groups of equal size: gpt-oss makes 2, Llama 4 4, Gemma 3's 5:1 sliding-to-full layers
+/// about 7).
+pub const MAX_KV_CACHE_GROUPS: u32 = 8;
+
 /// Where K and V of every slot of every layer are (see the module docs).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PoolLayout {
@@ -696,6 +702,22 @@ impl PoolLayout {
             });
         }
         let groups = self.groups();
+        if groups > MAX_KV_CACHE_GROUPS {
+            let i = self
+                .layers
+                .iter()
+                .position(|l| l.group >= MAX_KV_CACHE_GROUPS)
+                .unwrap_or(0);
+            return Err(LayoutError {
+                field: format!("layout.layers[{i}].group"),
+                reason: format!(
+                    "group {}: at most {MAX_KV_CACHE_GROUPS} KV cache groups (numbered 0 to {}), what a \
+                     request's slots for every group fit in the message limit for",
+                    self.layers[i].group,
+                    MAX_KV_CACHE_GROUPS - 1
+                ),
+            });
+        }
         let mut used = vec![false; groups as usize];
         for l in &self.layers {
             used[l.group as usize] = true;
@@ -1005,6 +1027,23 @@ mod tests {
             "layout.layers[1].group",
             "at most 3 groups",
         );
+        // Ten layers, each its own group: the request limit is sized for eight.
+        let g10 = KvGeometry::new(10, 2, 8, Dtype::F16, 4).unwrap();
+        let bytes10 = PoolLayout::kind_bytes(&g10, 5, 0);
+        let mut layers = PoolLayout::of_kind(LayoutKind::Vllm, &g10, 5, 0)
+            .layers()
+            .to_vec();
+        for (i, l) in layers.iter_mut().enumerate() {
+            l.group = (i as u32).min(MAX_KV_CACHE_GROUPS - 1);
+        }
+        PoolLayout::new(layers.clone())
+            .validate(&g10, 5, &[bytes10])
+            .unwrap();
+        layers[9].group = 9;
+        layers[8].group = 8;
+        let e = PoolLayout::new(layers).validate(&g10, 5, &[bytes10]).unwrap_err();
+        assert_eq!(e.field, "layout.layers[8].group", "{e}");
+        assert!(e.reason.contains("at most 8 KV cache groups"), "{e}");
     }
 
     #[test]

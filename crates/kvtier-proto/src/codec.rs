@@ -53,9 +53,9 @@ pub fn decode_status<U: DecodeSide>(error: &prost::DecodeError) -> Status {
 }
 
 /// KV cache groups a Load or Store of the largest batch may name a slot in, per block, and
-/// still fit the message limit (vLLM splits a hybrid model's layers into groups of equal
-/// size: gpt-oss makes 2, Llama 4 4, Gemma 3's 5:1 sliding-to-full layers about 7).
-pub const MAX_LIMIT_GROUPS: usize = 8;
+/// still fit the message limit: as many as a layout may have
+/// ([`kvtier_core::MAX_KV_CACHE_GROUPS`]).
+pub const MAX_LIMIT_GROUPS: usize = kvtier_core::MAX_KV_CACHE_GROUPS as usize;
 
 /// Bytes one block can take in the largest kvtier.v1 message: its token ids at the varint's
 /// widest (5 bytes each) in a request, its packed key and a slot in each of

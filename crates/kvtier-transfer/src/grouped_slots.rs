@@ -20,6 +20,60 @@ use crate::{CopyDirection, CopyTicket, DevicePool, SlotCopy, TransferError};
 /// the group unwritten. Never valid in a store (a stored block holds every layer).
 pub const NO_SLOT: u32 = u32::MAX;
 
+/// In a load: the first real slot named by two groups whose layers share that slot's bytes
+/// (the layers of vLLM's groups lie over one another), as (later group, earlier group, slot):
+/// both layers would be written into the same bytes. Costs a hash lookup per slot, and a
+/// compare of the two groups' pieces only where a slot repeats across groups.
+fn shared_slot(pool: &dyn DevicePool, slots: &[Vec<u32>]) -> Option<(usize, usize, u32)> {
+    let mut owner = std::collections::HashMap::with_capacity(slots.first().map_or(0, Vec::len));
+    for (g, list) in slots.iter().enumerate() {
+        for &s in list.iter().filter(|&&s| s != NO_SLOT) {
+            match owner.entry(s) {
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(g);
+                }
+                std::collections::hash_map::Entry::Occupied(o) => {
+                    if groups_share_slot(pool, *o.get() as u32, g as u32, s) {
+                        return Some((g, *o.get(), s));
+                    }
+                }
+            }
+        }
+    }
+    None
+}
+
+/// Whether any byte of `slot` in a layer of group `a` is also a byte of `slot` in a layer of
+/// group `b`.
+fn groups_share_slot(pool: &dyn DevicePool, a: u32, b: u32, slot: u32) -> bool {
+    let layout = pool.layout();
+    let geometry = pool.geometry();
+    let pieces = |group: u32| {
+        let mut v: Vec<(u32, u64, u64)> = (0..layout.layers().len() as u32)
+            .filter(|&l| layout.layer(l).group == group)
+            .flat_map(|l| layout.slot_pieces(geometry, l, slot))
+            .map(|p| (p.buffer, p.offset, p.offset + p.len as u64))
+            .collect();
+        v.sort_unstable();
+        v
+    };
+    let (pa, pb) = (pieces(a), pieces(b));
+    // Both sorted by (buffer, start): walk them together.
+    let (mut i, mut j) = (0, 0);
+    while i < pa.len() && j < pb.len() {
+        let ((ba, sa, ea), (bb, sb, eb)) = (pa[i], pb[j]);
+        if ba == bb && sa < eb && sb < ea {
+            return true;
+        }
+        if (ba, ea) <= (bb, eb) {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    false
+}
+
 /// A request's slots per KV cache group over a real pool, seen as a pool whose slot `b` is
 /// block `b` of the request (see the module docs).
 pub struct GroupedSlots {
@@ -47,9 +101,9 @@ impl GroupedSlots {
     /// others `group_slots[g - 1]`, as errors name them.
     ///
     /// # Errors
-    /// [`TransferError::GroupSlots`] for lists that do not match the pool's groups or the
-    /// request, [`TransferError::SlotOutOfRange`] and [`TransferError::DuplicateSlot`] (within
-    /// a group) naming the slot.
+    /// [`TransferError::GroupSlots`] naming the list at fault: lists that do not match the
+    /// pool's groups or the request, a slot past the pool, a slot twice in one group's list,
+    /// and in a load a slot named by two groups whose layers share its bytes.
     pub fn new(
         pool: Arc<dyn DevicePool>,
         slots: Vec<Vec<u32>>,
@@ -97,12 +151,25 @@ impl GroupedSlots {
                     continue;
                 }
                 if s >= num_slots {
-                    return Err(TransferError::SlotOutOfRange { slot: s, num_slots });
+                    return err(
+                        field(g),
+                        format!("device slot {s} out of range: the pool has {num_slots} slots"),
+                    );
                 }
                 if !seen.insert(s) {
-                    return Err(TransferError::DuplicateSlot { slot: s });
+                    return err(field(g), format!("device slot {s} appears twice in the list"));
                 }
             }
+        }
+        if missing_ok && let Some((g, first, s)) = shared_slot(pool.as_ref(), &slots) {
+            return err(
+                field(g),
+                format!(
+                    "device slot {s} is also in {}, and their layers share its bytes: a load would \
+                     write two layers into them (an engine gives a block to one group at a time)",
+                    field(first)
+                ),
+            );
         }
         Ok(Self {
             layer_groups: pool.layout().layer_groups(),
@@ -163,5 +230,43 @@ impl DevicePool for GroupedSlots {
 
     fn check_usable(&self) -> Result<(), TransferError> {
         self.pool.check_usable()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvtier_core::{Dtype, LayerLayout, LayoutKind};
+
+    use super::*;
+    use crate::CpuDevicePool;
+
+    /// Two layers, layer 1 in group 1: laid apart (`over` false) or over layer 0's bytes.
+    fn pool(over: bool) -> Arc<dyn DevicePool> {
+        let g = KvGeometry::new(2, 2, 8, Dtype::F16, 4).unwrap();
+        let mut layers = PoolLayout::of_kind(LayoutKind::Vllm, &g, 8, 0).layers().to_vec();
+        layers[1] = LayerLayout {
+            group: 1,
+            ..if over { layers[0] } else { layers[1] }
+        };
+        let bytes = PoolLayout::kind_bytes(&g, 8, 0) as usize;
+        Arc::new(CpuDevicePool::create_with_layout(None, g, 8, PoolLayout::new(layers), bytes).unwrap())
+    }
+
+    #[test]
+    fn a_load_may_name_a_slot_in_two_groups_only_where_their_layers_keep_it_apart() {
+        let lists = || vec![vec![0, 1, 2], vec![3, 1, NO_SLOT]];
+        // Apart: slot 1 of group 0 (layer 0) and of group 1 (layer 1) are different bytes.
+        GroupedSlots::new(pool(false), lists(), true).unwrap();
+        // Over one another: the load would write layers 0 and 1 into one slot's bytes.
+        let e = GroupedSlots::new(pool(true), lists(), true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("group_slots[0]: device slot 1 is also in slots, and their layers share its bytes"),
+            "{e}"
+        );
+        // Different slots over one another are apart; a store reads, so repeats are its own.
+        GroupedSlots::new(pool(true), vec![vec![0, 1, 2], vec![3, 4, NO_SLOT]], true).unwrap();
+        GroupedSlots::new(pool(true), vec![vec![0, 1, 2], vec![3, 1, 5]], false).unwrap();
     }
 }
