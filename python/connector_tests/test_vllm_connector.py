@@ -143,6 +143,40 @@ def worker(config: VllmConfig, kcc: KVCacheConfig, layout: KVCacheLayout = KVCac
     return w, caches
 
 
+def matched_blocks(target: str, salt: str = "", *, token_ids: list[int] | None = None,
+                   keys: kvtier.BlockKeys | None = None) -> int:
+    """How many leading blocks of a prompt (or keys) kvtier holds, asked by another client."""
+    with kvtier.connect(target, "checker") as other, kvtier.CpuPool.create(other.geometry, 1) as p1:
+        h = other.register_pool(p1, "test/tiny-llama")
+        if keys is not None:
+            return other.match(h, keys, cache_salt=salt).matched_blocks
+        return other.match(h, token_ids=token_ids, cache_salt=salt).matched_blocks
+
+
+@contextmanager
+def in_place_engine(config: VllmConfig, name: str, seed: int) -> Iterator[
+        tuple[Scheduler, KvtierConnector, dict[str, torch.Tensor], torch.Generator, dict[int, torch.Tensor]]]:
+    """:func:`engine` with the worker's KV (vLLM's ``[2, block, token, head, dim]`` per layer)
+    in a shared file, registered in place; the file is removed after."""
+    kcc = kv_cache_config()
+    s = scheduler(config, kcc)
+    path = Path("/dev/shm") / f"kvtier-test-{name}-{os.getpid()}"
+    raw = shm_bytes(path, 2 * LAYERS * NUM_BLOCKS * BLOCK * HEADS * DIM * 2)
+    w = None
+    try:
+        planes = raw.view(torch.float16).view(LAYERS, 2, NUM_BLOCKS, BLOCK, HEADS, DIM)
+        caches = {n: planes[i] for i, n in enumerate(NAMES)}
+        w = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
+        w.register_kv_caches(caches)
+        assert w._in_place
+        yield s, w, caches, torch.Generator().manual_seed(seed), {}
+    finally:
+        if w is not None:
+            w.shutdown()
+        s.connector.shutdown()
+        path.unlink(missing_ok=True)
+
+
 @contextmanager
 def engine(config: VllmConfig, seed: int) -> Iterator[tuple[Scheduler, KvtierConnector, dict[str, torch.Tensor],
                                                            torch.Generator, dict[int, torch.Tensor]]]:
@@ -750,7 +784,7 @@ def shm_caches(layout: KVCacheLayout, path: Path) -> dict[str, torch.Tensor]:
 def held_in_place(sidecar: Sidecar, model_dir: str, salt: str, hold_s: float, hybrid: bool = False,
                   **extra: Any) -> Iterator[tuple[Scheduler, KvtierConnector, dict[str, torch.Tensor], list[Any]]]:
     """A real Scheduler and a worker whose KV lies in a shared file, registered in place, its
-    store thread held for ``hold_s`` seconds. ``hybrid``: two KV cache groups, each
+    store thread held for ``hold_s`` seconds from the first ``wait_for_save``. ``hybrid``: two KV cache groups, each
     sliding-window layer over the same memory as a full-attention layer (vLLM's hybrid KV cache
     manager gives a block to one group at a time); else vLLM's ``[2, block, token, head, dim]``
     per layer. Yields them and, per ``wait_for_save``, (whether the step saved, stores of the
@@ -779,11 +813,12 @@ def held_in_place(sidecar: Sidecar, model_dir: str, salt: str, hold_s: float, hy
         assert w._in_place and w._pool is None, "in place, no staging pool"
         assert w._executor is not None
         w._executor.submit(gate.wait)
-        threading.Timer(hold_s, gate.set).start()
         saved, seen = w.wait_for_save, []
 
         def wait_for_save() -> None:
             saves = bool(w._get_connector_metadata().saves) if w.has_connector_metadata() else False
+            if not seen:  # held from the first step on, however long the setup took
+                threading.Timer(hold_s, gate.set).start()
             saved()
             seen.append((saves, sum(not f.done() for _, _, f in w._stores)))
 
@@ -954,9 +989,7 @@ def hybrid_round_trip(s: Scheduler, w: KvtierConnector, caches: dict[str, torch.
     saves = [sp for o in outs for sp in o.kv_connector_metadata.saves]
     assert [(len(sp.block_ids), sp.first_block) for sp in saves] == [(4, 0), (2, 4)]
     assert all(len(sp.group_block_ids) == 1 and NULL_BLOCK not in sp.group_block_ids[0] for sp in saves)
-    with kvtier.connect(target, "checker") as other, kvtier.CpuPool.create(other.geometry, 1) as p1:
-        h = other.register_pool(p1, "test/tiny-llama")
-        assert other.match(h, token_ids=prompt, cache_salt=salt).matched_blocks == 6
+    assert matched_blocks(target, salt, token_ids=prompt) == 6
 
     assert s.reset_prefix_cache()
     for t in caches.values():
@@ -1019,12 +1052,12 @@ def test_hybrid_models_in_shared_memory_move_in_place(sidecar: Sidecar, model_di
 
 
 def test_hybrid_in_place_stores_share_one_deadline_per_step(sidecar: Sidecar, model_dir: str) -> None:
-    """A hybrid model's in-place stores of a step share store_timeout_s: with the store thread
+    """A hybrid model's in-place stores of a step share step_store_timeout_s: with the store thread
     held past it, wait_for_save returns once the thread is free and the store still queued is
     skipped, not sent late (vLLM may have written its blocks by then): nothing of that step's
     run is stored, so the prefix matches nothing."""
     salt = "hybrid-deadline"
-    with held_in_place(sidecar, model_dir, salt, 1.0, hybrid=True, store_timeout_s=0.2) as (s, w, caches, seen):
+    with held_in_place(sidecar, model_dir, salt, 1.0, hybrid=True, step_store_timeout_s=0.2) as (s, w, caches, seen):
         prompt = torch.randint(100, 30000, (6 * BLOCK + 4,), generator=torch.Generator().manual_seed(8)).tolist()
         s.add_request(request("a", prompt))
         for _ in range(20):
@@ -1033,9 +1066,7 @@ def test_hybrid_in_place_stores_share_one_deadline_per_step(sidecar: Sidecar, mo
             hybrid_step(s, w, caches, reap=False)
         w.flush()
         assert seen[0] == (True, 0), seen
-        with kvtier.connect(sidecar.target, "checker") as other, kvtier.CpuPool.create(other.geometry, 1) as p1:
-            h = other.register_pool(p1, "test/tiny-llama")
-            assert other.match(h, token_ids=prompt, cache_salt=salt).matched_blocks == 0
+        assert matched_blocks(sidecar.target, salt, token_ids=prompt) == 0
 
 
 def test_hybrid_layers_keep_the_models_order_and_other_shapes_are_refused_by_name() -> None:
@@ -1125,72 +1156,81 @@ def test_a_hung_sidecar_holds_the_scheduler_for_one_match_timeout(model_dir: str
         sc.stop()
 
 
-def test_a_store_that_times_out_keeps_its_slots_until_the_session_is_replaced(
-        model_dir: str, tmp_path: Path) -> None:
-    """A store sent to a stopped sidecar times out (store_timeout_s) with its outcome unknown:
-    the sidecar may still copy from its staging slots when it runs again, so they are not
-    reused; once the session is replaced (the sidecar restarted), they are free again and
-    prefixes store and load bit-exact."""
-    first = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
-    config = vllm_config(first, model_dir, staging_slots=8, store_timeout_s=0.5, reconnect_interval_s=0.05)
-    second: Sidecar | None = None
+@pytest.mark.parametrize("kv", ["staging", "in_place_async"])
+def test_a_store_that_times_out_frees_what_it_read_and_lands_nothing_late(
+        model_dir: str, tmp_path: Path, kv: str) -> None:
+    """A background store sent to a stopped sidecar (SIGSTOP: the session does not end) times
+    out (store_timeout_s), which is its not_after too: the sidecar publishes nothing of it even
+    when it reads it once it runs again, so what it read is free at once: its staging slots, or
+    in place (in_place_stores = async) the finished request's blocks vLLM kept for it (before
+    not_after, both stayed out of use until the session was replaced). Prefixes store and load
+    bit-exact once the sidecar runs."""
+    sc = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
+    extra: dict[str, Any] = {"staging_slots": 8} if kv == "staging" else {"kv_path": "in_place",
+                                                                          "in_place_stores": "async"}
+    config = vllm_config(sc, model_dir, match_timeout_s=0.3, store_timeout_s=0.5, reconnect_interval_s=0.05,
+                         **extra)
     try:
-        with engine(config, 51) as (s, w, caches, gen, written):
-            first.pause()
+        with (engine(config, 51) if kv == "staging" else in_place_engine(config, "timeout", 51)) as (
+                s, w, caches, gen, written):
+            prompt = torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()
+            sc.pause()
             try:
-                s.add_request(request("a", torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()))
-                run_to_end(s, w, caches, gen, written)  # its 3 blocks' store times out
-                assert len(w._free) == 5 and len(w._unsure) == 1, "the 3 slots are kept from reuse"
+                s.add_request(request("a", prompt))
+                run_to_end(s, w, caches, gen, written)
+                w.flush()  # its 3 blocks' store times out
+                assert "a" not in s.requests and not w._unsure and not w._stores_of
+                assert kv != "staging" or len(w._free) == 8, "the slots are free again"
             finally:
-                first.resume()
-            first.stop()
-            second = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
-            assert reconnected(s, w, caches, gen, written)
-            assert len(w._free) == 8 and not w._unsure
+                sc.resume()
             assert_stores_and_loads(s, w, caches, gen, written)
+            assert matched_blocks(sc.target, token_ids=prompt) == 0, "nothing of a landed late"
     finally:
-        first.stop()
-        if second is not None:
-            second.stop()
+        sc.stop()
 
 
-def test_in_place_a_store_that_times_out_keeps_its_requests_blocks(model_dir: str, tmp_path: Path) -> None:
-    """In place (vLLM's KV in a shared file), a store that times out under a stopped sidecar
-    may still read the request's blocks: the finished request keeps them (vLLM does not free
-    them) until the session is replaced, then they are freed."""
-    first = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
-    config = vllm_config(first, model_dir, kv_path="in_place", match_timeout_s=0.3, store_timeout_s=0.5,
-                         reconnect_interval_s=0.05)
-    kcc = kv_cache_config()
-    s = scheduler(config, kcc)
-    raw = shm_bytes(Path("/dev/shm") / f"kvtier-test-unsure-{os.getpid()}", 2 * LAYERS * NUM_BLOCKS * BLOCK * HEADS * DIM * 2)
-    second: Sidecar | None = None
+def test_in_place_a_stalled_sidecar_holds_few_steps_and_keeps_no_blocks(model_dir: str, tmp_path: Path) -> None:
+    """In place, stores ending in the step (the default): under a stopped sidecar (SIGSTOP: its
+    session does not end), the step's store gives up after step_store_timeout_s, the finished
+    request's blocks are freed at once (the store's not_after: nothing of it is published, even
+    once the sidecar reads it),
+    and saves pause for reconnect_interval_s, so the next steps do not wait; once the sidecar
+    runs again and the pause is over, saves resume and load bit-exact."""
+    sc = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
+    config = vllm_config(sc, model_dir, kv_path="in_place", match_timeout_s=0.3, step_store_timeout_s=0.3,
+                         reconnect_interval_s=1.0)
     try:
-        planes = raw.view(torch.float16).view(LAYERS, 2, NUM_BLOCKS, BLOCK, HEADS, DIM)
-        caches = {n: planes[i] for i, n in enumerate(NAMES)}
-        w = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
-        w.register_kv_caches(caches)
-        gen, written = torch.Generator().manual_seed(61), {}
-        try:
-            assert w._in_place
-            first.pause()
+        with in_place_engine(config, "stalled", 71) as (s, w, caches, gen, written):
+            waits: list[float] = []
+            saved = w.wait_for_save
+
+            def wait_for_save() -> None:
+                t0 = time.monotonic()
+                saved()
+                waits.append(time.monotonic() - t0)
+
+            w.wait_for_save = wait_for_save  # type: ignore[method-assign]
+            sc.pause()
+            prompt_a = torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()
             try:
-                s.add_request(request("a", torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()))
-                for _ in range(3):  # computed, saved (the store times out), finished
-                    step(s, w, caches, gen, written)
-                assert "a" in s.requests and len(w._unsure) == 1, "vLLM keeps a's blocks"
+                s.add_request(request("a", prompt_a))
+                run_to_end(s, w, caches, gen, written)
+                assert "a" not in s.requests, "freed at once"
+                assert not w._unsure and not w._stores_of and not w._delayed
+                assert waits[0] >= 0.3 and all(t < 0.3 for t in waits[1:]), waits
+                assert w._save_again_at > time.monotonic(), "saves paused"
             finally:
-                first.resume()
-            first.stop()
-            second = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
-            assert reconnected(s, w, caches, gen, written)
+                sc.resume()
+            # Within the pause: computed and not saved (nothing waits for the sidecar).
+            prompt_b = torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()
+            s.add_request(request("b", prompt_b))
             run_to_end(s, w, caches, gen, written)
-            assert "a" not in s.requests and not w._unsure, "freed once the session was replaced"
-        finally:
-            w.shutdown()
-            s.connector.shutdown()
+            time.sleep(max(0.0, w._save_again_at - time.monotonic()))  # the pause runs out
+            assert_stores_and_loads(s, w, caches, gen, written)
+            assert w._save_pause_s == 0.0, "a step whose stores ended in time resets the pause"
+            assert matched_blocks(sc.target, token_ids=prompt_b) == 0, "b was not saved"
+            # a's store, read by the sidecar only once it ran again, stored nothing (its
+            # not_after had passed): vLLM may have written those blocks by then.
+            assert matched_blocks(sc.target, token_ids=prompt_a) == 0, "nothing of a landed late"
     finally:
-        first.stop()
-        if second is not None:
-            second.stop()
-        os.unlink(Path("/dev/shm") / f"kvtier-test-unsure-{os.getpid()}")
+        sc.stop()

@@ -287,10 +287,11 @@ class AsyncSession:
 
     async def store(self, pool: PoolRef, keys: KeysLike, slots: SlotsLike, *, parent: int | None = None,
                     cache_salt: str = "", durable: bool = False, group_slots: Sequence[SlotsLike] = (),
-                    timeout: float | None = None) -> StoreResult:
+                    timeout: float | None = None, not_after: float | None = None) -> StoreResult:
         """See :meth:`kvtier.Session.store`."""
         return _wire.store_result(await self._unary(
-            "Store", _wire.store_request(self.id, pool, keys, slots, parent, cache_salt, durable, group_slots),
+            "Store",
+            _wire.store_request(self.id, pool, keys, slots, parent, cache_salt, durable, group_slots, not_after),
             timeout))
 
     async def device_events(self, pool: PoolRef, events: Iterable[DeviceEvent]) -> DeviceEventsResult:

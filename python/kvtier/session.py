@@ -310,16 +310,22 @@ class Session:
         durable: bool = False,
         group_slots: Sequence[SlotsLike] = (),
         timeout: float | None = None,
+        not_after: float | None = None,
     ) -> StoreResult:
         """Copies a contiguous run of one sequence's blocks (``keys`` in order, each in its
         device slot) into host memory; ``parent`` is the key of the block before the first
         (None when the run starts the sequence). Returns when the slots may be reused (with
         ``durable``: once the blocks are also on disk and synced). ``timeout``: seconds to wait
         (default: the client's), else :class:`~kvtier.errors.DeadlineExceeded` (the store may
-        still complete on the sidecar). ``group_slots``: as in :meth:`load`, without
-        ``NO_SLOT`` (a stored block holds every layer)."""
+        still complete on the sidecar, unless ``not_after`` is given). ``group_slots``: as in
+        :meth:`load`, without ``NO_SLOT`` (a stored block holds every layer). ``not_after``
+        (:func:`time.time` seconds; the sidecar's host's clock): the sidecar publishes nothing
+        of the store unless its copies end by then, so a caller that writes the slots again
+        once it stops waiting gives that moment (:class:`~kvtier.errors.DeadlineExceeded` when
+        they did not)."""
         return _wire.store_result(self._unary(
-            "Store", _wire.store_request(self.id, pool, keys, slots, parent, cache_salt, durable, group_slots),
+            "Store",
+            _wire.store_request(self.id, pool, keys, slots, parent, cache_salt, durable, group_slots, not_after),
             timeout))
 
     def device_events(self, pool: PoolRef, events: Iterable[DeviceEvent]) -> DeviceEventsResult:

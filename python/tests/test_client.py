@@ -704,3 +704,34 @@ def test_match_and_store_take_a_timeout_under_a_stopped_sidecar(tmp_path: Path) 
             assert s.match(h, keys, timeout=30).matched_blocks == 2
     finally:
         sc.stop()
+
+
+def test_a_store_with_not_after_publishes_nothing_late(tmp_path: Path) -> None:
+    """``not_after`` (an engine that writes its blocks again once it stops waiting): a store
+    sent to a stopped sidecar, read only once it runs again, stores nothing (without it, the
+    test above shows such a store landing late); one whose time has passed is refused by name;
+    one in time stores as usual."""
+    sc = start_sidecar(tmp_path / "sc")
+    try:
+        with kvtier.connect(sc.target, "not-after") as s, kvtier.CpuPool.create(s.geometry, 4, tmp_path / "p") as p:
+            h = s.register_pool(p, "not-after")
+            bt = s.geometry.block_tokens
+            keys = h.keys(list(range(2 * bt)))
+            other = h.keys(list(range(10_000, 10_000 + 2 * bt)))
+            sc.pause()
+            try:
+                with pytest.raises(kvtier.DeadlineExceeded):
+                    s.store(h, keys, [0, 1], timeout=0.3, not_after=time.time() + 0.3)
+            finally:
+                sc.resume()
+            # Sent after the late one on the same channel, so read after it too.
+            assert s.store(h, other, [2, 3], timeout=30).stored_blocks == 2
+            assert s.match(h, keys, timeout=30).matched_blocks == 0, "nothing landed late"
+            with pytest.raises(kvtier.DeadlineExceeded, match="not_after: nothing was stored"):
+                s.store(h, keys, [0, 1], not_after=time.time() - 1)
+            assert s.store(h, keys, [0, 1], not_after=time.time() + 30).stored_blocks == 2
+            assert s.match(h, keys).matched_blocks == 2
+            with pytest.raises(ValueError, match="not_after = -1"):
+                s.store(h, keys, [0, 1], not_after=-1)
+    finally:
+        sc.stop()

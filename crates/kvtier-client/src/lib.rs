@@ -451,6 +451,7 @@ impl Client {
                 parent: pack_key(parent),
                 durable,
                 group_slots: Vec::new(),
+                not_after_unix_ms: 0,
             })
             .await?
             .into_inner();

@@ -708,6 +708,8 @@ impl KvTier for KvTierService {
                 ns,
                 &blocks,
                 durability,
+                (r.not_after_unix_ms > 0)
+                    .then(|| std::time::UNIX_EPOCH + Duration::from_millis(r.not_after_unix_ms)),
                 sink,
             )?;
             let report = copied_rx.await.unwrap_or(Err(TransferError::ShutDown))?;

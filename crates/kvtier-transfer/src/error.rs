@@ -107,6 +107,10 @@ pub enum TransferError {
     /// The caller's deadline passed before the transfer finished (it was then cancelled).
     #[error("deadline passed before the transfer finished")]
     DeadlineExceeded,
+    /// A store whose copies did not end by the requester's `not_after` (or which was
+    /// submitted after it): nothing was published.
+    #[error("the store's copies {0}: nothing was stored (the engine may have written its blocks since)")]
+    TooLate(String),
     /// A non-blocking load met a block being written into the host tier right now.
     #[error("a block of the load is being written into the host tier; submit it where waiting is allowed")]
     WouldBlock,
@@ -160,7 +164,7 @@ impl TransferError {
             TransferError::QueueFull { .. } => ErrorKind::ResourceExhausted,
             TransferError::Cancelled => ErrorKind::Cancelled,
             TransferError::Spawn(_) | TransferError::Device { .. } => ErrorKind::Internal,
-            TransferError::DeadlineExceeded => ErrorKind::DeadlineExceeded,
+            TransferError::DeadlineExceeded | TransferError::TooLate(_) => ErrorKind::DeadlineExceeded,
             TransferError::WouldBlock | TransferError::ShutDown => ErrorKind::Unavailable,
         }
     }

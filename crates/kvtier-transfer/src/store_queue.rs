@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use kvtier_core::{BlockKey, NamespaceFingerprint};
 use kvtier_store::{
@@ -226,15 +226,19 @@ impl StoreQueue {
         durability: Durability,
     ) -> Result<StoreTicket, TransferError> {
         let (tx, rx) = mpsc::channel();
-        let cancel = self.submit_to(pool, store, ns, blocks, durability, EventSink::channel(tx))?;
+        let cancel = self.submit_to(pool, store, ns, blocks, durability, None, EventSink::channel(tx))?;
         Ok(StoreTicket { rx, cancel })
     }
 
     /// Like [`StoreQueue::submit`] (or [`StoreQueue::submit_durable`]), but the events go to
     /// `events` (on a store worker thread) instead of a ticket to block on. Never blocks.
+    /// `not_after`: the store publishes nothing unless its copies end by then (the requester
+    /// may write its slots again from then on).
     ///
     /// # Errors
-    /// As [`StoreQueue::submit_durable`]; no event is sent when an error is returned.
+    /// As [`StoreQueue::submit_durable`], and [`TransferError::TooLate`] when `not_after` has
+    /// passed already; no event is sent when an error is returned.
+    #[allow(clippy::too_many_arguments)]
     pub fn submit_to(
         &self,
         pool: &Arc<dyn DevicePool>,
@@ -242,10 +246,14 @@ impl StoreQueue {
         ns: NamespaceFingerprint,
         blocks: &[StoreBlock],
         durability: Durability,
+        not_after: Option<SystemTime>,
         events: EventSink<StoreEvent>,
     ) -> Result<StoreHandle, TransferError> {
         let geometry = *store.geometry();
         validate_request("store", pool.as_ref(), &geometry, blocks.iter().map(|b| b.slot))?;
+        if let Some(t) = not_after {
+            late(t, "were to start")?;
+        }
         let durable_to = match durability {
             Durability::Host => None,
             Durability::Disk => match store.disk() {
@@ -325,6 +333,7 @@ impl StoreQueue {
             already_stored,
             no_space,
             not_persisted,
+            not_after,
             events,
             shared: self.shared(),
             io_workers: self.core.io_handle(),
@@ -431,9 +440,22 @@ struct StoreJob {
     already_stored: usize,
     no_space: Vec<BlockKey>,
     not_persisted: Vec<BlockKey>,
+    /// The requester's `not_after`: nothing is published of copies that end later.
+    not_after: Option<SystemTime>,
     events: EventSink<StoreEvent>,
     shared: PersistShared,
     io_workers: WorkerHandle,
+}
+
+/// `Err(TooLate)` once `not_after` has passed (`what`: the copies "ended", "were to start").
+fn late(not_after: SystemTime, what: &str) -> Result<(), TransferError> {
+    match SystemTime::now().duration_since(not_after) {
+        Ok(by) if !by.is_zero() => Err(TransferError::TooLate(format!(
+            "{what} {:.1} ms after the request's not_after",
+            by.as_secs_f64() * 1e3
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// What every disk write job needs from its queue.
@@ -478,7 +500,11 @@ impl ChunkedJob for StoreJob {
     /// Publishes every page if every copy ran (frees them otherwise), tells the requester the
     /// slots are free, then hands the pages to the disk writer if the policy says so.
     fn finish(&self) {
-        let outcome = self.core.outcome();
+        // Every copy has ended: in time for the requester, or nothing is published.
+        let outcome = self
+            .core
+            .outcome()
+            .and_then(|()| self.not_after.map_or(Ok(()), |t| late(t, "ended")));
         let writers = std::mem::take(&mut *lock(&self.writers));
         let held = std::mem::take(&mut *lock(&self.held));
         let blocks = self.copies.len() as u64;

@@ -405,6 +405,7 @@ fn events_go_to_a_callback_and_a_non_blocking_load_refuses_instead_of_waiting() 
             NS,
             &chain_blocks(&ks[..3], 0),
             kvtier_transfer::Durability::Host,
+            None,
             EventSink::new(move |e| tx.send(e).unwrap()),
         )
         .unwrap();
@@ -457,4 +458,110 @@ fn events_go_to_a_callback_and_a_non_blocking_load_refuses_instead_of_waiting() 
         other => panic!("{other:?}"),
     }
     r.assert_slots(&ks[..3], 8);
+}
+
+/// A pool whose copies wait until the test lets them run.
+#[derive(Debug)]
+struct HeldPool {
+    inner: Arc<dyn DevicePool>,
+    open: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl DevicePool for HeldPool {
+    fn geometry(&self) -> &KvGeometry {
+        self.inner.geometry()
+    }
+    fn num_slots(&self) -> u32 {
+        self.inner.num_slots()
+    }
+    fn layout(&self) -> &kvtier_core::PoolLayout {
+        self.inner.layout()
+    }
+    fn device_kind(&self) -> &'static str {
+        self.inner.device_kind()
+    }
+    fn submit(
+        &self,
+        direction: kvtier_transfer::CopyDirection,
+        layer: u32,
+        host: &kvtier_store::ShmRegion,
+        copies: &[kvtier_transfer::SlotCopy],
+    ) -> Result<kvtier_transfer::CopyTicket, TransferError> {
+        let (open, cv) = &*self.open;
+        let _open = cv.wait_while(open.lock().unwrap(), |o| !*o).unwrap();
+        self.inner.submit(direction, layer, host, copies)
+    }
+    fn check_usable(&self) -> Result<(), TransferError> {
+        self.inner.check_usable()
+    }
+}
+
+/// A store with a `not_after` (an engine that reuses its blocks once it stops waiting):
+/// refused when that time has passed before it starts, and publishing nothing when its copies
+/// end after it, however long the sidecar took to get to it; in time, it stores as usual.
+#[test]
+fn a_store_publishes_nothing_of_copies_that_end_after_its_not_after() {
+    use std::time::{Duration, SystemTime};
+
+    use kvtier_transfer::{Durability, EventSink, StoreEvent};
+
+    let g = KvGeometry::new(2, 2, 16, Dtype::Bf16, 8).unwrap();
+    let r = rig(g, 16, 16, TransferConfig::default());
+    let ks = keys(3, 9, 8);
+    r.write_slots(&ks, 0);
+    let open = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+    let held: Arc<dyn DevicePool> = Arc::new(HeldPool {
+        inner: Arc::clone(&r.dyn_pool),
+        open: Arc::clone(&open),
+    });
+    let store = |pool: &Arc<dyn DevicePool>, not_after: SystemTime| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        r.queues
+            .store
+            .submit_to(
+                pool,
+                &r.store,
+                NS,
+                &chain_blocks(&ks, 0),
+                Durability::Host,
+                Some(not_after),
+                EventSink::new(move |e| {
+                    if let StoreEvent::Copied(c) = e {
+                        tx.send(c).unwrap();
+                    }
+                }),
+            )
+            .map(|h| (h, rx))
+    };
+    // Past already: refused before anything is reserved.
+    let past = SystemTime::now() - Duration::from_millis(5);
+    let e = store(&r.dyn_pool, past).unwrap_err();
+    assert!(
+        matches!(&e, TransferError::TooLate(why) if why.starts_with("were to start")),
+        "{e:?}"
+    );
+    assert_eq!(r.host.stats().used_pages, 0);
+    // Copies held past it: nothing published, every page let go.
+    let soon = SystemTime::now() + Duration::from_millis(20);
+    let (_handle, rx) = store(&held, soon).unwrap();
+    while SystemTime::now() <= soon {
+        std::thread::sleep(Duration::from_millis(5)); // the engine's wait runs out
+    }
+    *open.0.lock().unwrap() = true;
+    open.1.notify_all();
+    let e = rx.recv().unwrap().unwrap_err();
+    assert!(
+        matches!(&e, TransferError::TooLate(why) if why.starts_with("ended")),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("nothing was stored"), "{e}");
+    r.queues.store.wait_idle();
+    assert_eq!(r.host.match_prefix(NS, &ks).len(), 0, "nothing published");
+    assert_eq!(r.host.stats().used_pages, 0, "no page left reserved");
+    // In time: stored.
+    let later = SystemTime::now() + Duration::from_secs(60);
+    let (mut handle, rx) = store(&r.dyn_pool, later).unwrap();
+    assert_eq!(rx.recv().unwrap().unwrap().stored_blocks, 3);
+    handle.disarm();
+    assert_eq!(r.host.match_prefix(NS, &ks).len(), 3);
 }

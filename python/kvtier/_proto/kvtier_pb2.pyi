@@ -292,7 +292,7 @@ class LoadDone(_message.Message):
     def __init__(self, loaded_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., missing: _Optional[bytes] = ..., bytes: _Optional[int] = ..., timing: _Optional[_Union[TransferTiming, _Mapping]] = ..., remote_blocks: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("session_id", "pool_id", "cache_salt", "keys", "slots", "parent", "durable", "group_slots")
+    __slots__ = ("session_id", "pool_id", "cache_salt", "keys", "slots", "parent", "durable", "group_slots", "not_after_unix_ms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +301,7 @@ class StoreRequest(_message.Message):
     PARENT_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
     GROUP_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NOT_AFTER_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     pool_id: int
     cache_salt: str
@@ -309,7 +310,8 @@ class StoreRequest(_message.Message):
     parent: bytes
     durable: bool
     group_slots: _containers.RepeatedCompositeFieldContainer[GroupSlots]
-    def __init__(self, session_id: _Optional[int] = ..., pool_id: _Optional[int] = ..., cache_salt: _Optional[str] = ..., keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., parent: _Optional[bytes] = ..., durable: _Optional[bool] = ..., group_slots: _Optional[_Iterable[_Union[GroupSlots, _Mapping]]] = ...) -> None: ...
+    not_after_unix_ms: int
+    def __init__(self, session_id: _Optional[int] = ..., pool_id: _Optional[int] = ..., cache_salt: _Optional[str] = ..., keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., parent: _Optional[bytes] = ..., durable: _Optional[bool] = ..., group_slots: _Optional[_Iterable[_Union[GroupSlots, _Mapping]]] = ..., not_after_unix_ms: _Optional[int] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("stored_blocks", "already_stored", "no_space", "bytes", "timing", "durable_blocks", "not_durable")

@@ -26,14 +26,17 @@ extra_config keys: ``sidecar`` (a target as :func:`kvtier.connect` takes; defaul
 sidecar's default socket), ``auth_token``, ``staging_slots``, ``cache_salt``, ``model_name``
 (default SGLang's), ``client_name``, ``reconnect_interval_s`` (default 2: how often a session
 the sidecar ended, by a restart, is tried again; SGLang computes meanwhile), ``store_timeout_s``
-(default 60: the longest a store is waited for; one that times out may still read the staging
-pool, so the pool is given up and the session reopened with a new one).
+(default 60: the longest a store is waited for; it is the store's ``not_after`` too, so the
+sidecar publishes nothing of one that timed out, and the staging slots are reused at once; only
+a store that failed earlier without saying how it ended makes the backend give the staging
+pool up and reopen the session with a new one).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -48,7 +51,7 @@ from ..errors import KvtierError
 from ..geometry import Geometry
 from ..keys import BlockKeys
 from ..pool import CpuPool
-from ..results import PoolHandle
+from ..results import PoolHandle, StoreResult
 from ..session import Session
 from .reopen import REOPEN_CONNECT_TIMEOUT_S, Reopener, discard_reopened, outcome_unknown
 from .staging import add_staging_pool, open_session, open_staging
@@ -174,14 +177,26 @@ class KvtierHiCacheStorage(HiCacheStorage):
             session.close()
             raise
 
-    def _store_failed(self, session: Session, e: KvtierError) -> None:
-        """A store that failed with its outcome unknown may still read the staging slots when
-        the sidecar gets to it: the pool is given up (the session closed, a new pool made when
-        it is reopened) rather than written again."""
-        if outcome_unknown(e):
-            logger.warning("kvtier: a store's outcome is unknown (%s); the staging pool is replaced", e)
-            self._tainted = True
-            session.close()
+    def _store(self, session: Session, handle: PoolHandle, keys: BlockKeys, **kw: Any) -> StoreResult | None:
+        """One Store from the staging slots ``0..len(keys)``, or None when it failed. It carries
+        the moment this side stops waiting as its ``not_after``: the sidecar publishes nothing
+        of copies that end later, even of a request it reads late, so the slots are free again
+        once the call ends, a timeout included. Only a store that failed earlier without saying
+        how it ended (a cancel, a dropped connection) may still be published from what the
+        sidecar reads of the slots: the pool is given up (the session closed, a new pool made
+        when it is reopened) rather than written again."""
+        not_after = time.time() + self._store_timeout_s
+        try:
+            return session.store(handle, keys, range(len(keys)), cache_salt=self._salt, timeout=self._store_timeout_s,
+                                 not_after=not_after, **kw)
+        except KvtierError as e:
+            if outcome_unknown(e) and time.time() < not_after:
+                logger.warning("kvtier: a store's outcome is unknown (%s); the staging pool is replaced", e)
+                self._tainted = True
+                session.close()
+            else:
+                logger.warning("kvtier: a store of %d pages failed: %s", len(keys), e)
+            return None
 
     # --- page copies between SGLang's host pool and the staging slots ----------------------
 
@@ -281,13 +296,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 for j in range(len(run)):
                     index = int(host_indices[(start + j) * p])
                     self._slot(pool, j).copy_(self._host_page(index))
-                try:
-                    r = session.store(
-                        handle, BlockKeys.from_ints(page_key(k) for k in run), range(len(run)),
-                        parent=parent, cache_salt=self._salt, timeout=self._store_timeout_s,
-                    )
-                except KvtierError as e:
-                    self._store_failed(session, e)
+                r = self._store(session, handle, BlockKeys.from_ints(page_key(k) for k in run), parent=parent)
+                if r is None:
                     return out
                 refused = set(r.no_space)
                 for j, k in enumerate(run):
@@ -339,13 +349,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 run = keys[start : start + self._staging_slots]
                 for j in range(len(run)):
                     self._slot(pool, j).copy_(self._flat_page(values[start + j]))
-                try:
-                    r = session.store(
-                        handle, BlockKeys.from_ints(page_key(k) for k in run), range(len(run)), cache_salt=self._salt,
-                        timeout=self._store_timeout_s,
-                    )
-                except KvtierError as e:
-                    self._store_failed(session, e)
+                r = self._store(session, handle, BlockKeys.from_ints(page_key(k) for k in run))
+                if r is None:
                     return False
                 if len(r.no_space) > 0:
                     return False

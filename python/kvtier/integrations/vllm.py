@@ -57,7 +57,7 @@ before their window). In place, each layer is registered in its group and every 
 ``Store`` names each block's slot in every group (``group_slots``; ``NO_SLOT`` for a group's
 null block); as the window groups free blocks when the window moves on, unannounced, a step's
 stores end before :meth:`~KvtierConnector.wait_for_save` returns (so before vLLM can write any
-block again; within ``store_timeout_s`` all together, a store still queued then is skipped),
+block again; within ``step_store_timeout_s`` all together, a store still queued then is skipped),
 instead of the finished requests' blocks waiting for them. Through staging, a kvtier slot is one block of every layer,
 copied from and to each group's blocks. Either way such models load in the background
 (``load_async`` is implied: vLLM takes a hybrid model's failed load only per request,
@@ -78,21 +78,27 @@ as load errors. In place they land straight in vLLM's blocks; through staging th
 staging slots taken when the load starts (blocks beyond the free slots are reported as load
 errors, for vLLM to recompute) and are copied into vLLM's blocks by ``get_finished``),
 ``in_place_stores`` (``in_step``, the default: in place, a step's stores end before
-:meth:`~KvtierConnector.wait_for_save` returns, within ``store_timeout_s`` all together;
-``async``: a dense model's stores run on while the next steps compute, the finished requests'
-blocks kept until they end, but vLLM ≥ 0.34 applies a step's copy-on-write block copies
-before it reports the requests it preempted, so such a copy into a preempted request's block
-can race its store; hybrid models are always ``in_step``), ``staging_slots`` (default 256),
+:meth:`~KvtierConnector.wait_for_save` returns, and finished requests' blocks are freed at
+once; ``async``: a dense model's stores run on while the next steps compute, the finished
+requests' blocks kept until they end, but vLLM ≥ 0.34 applies a step's copy-on-write block
+copies before it reports the requests it preempted, so such a copy into a preempted request's
+block can race its store; hybrid models are always ``in_step``), ``step_store_timeout_s``
+(default 5: the longest ``wait_for_save`` waits for a step's in-step stores, all together; the
+sidecar publishes nothing of a store whose copies end later (its ``not_after``); after such a
+step, saves in place pause for ``reconnect_interval_s``, doubling while steps keep running out
+of time, up to 60 s, so a stalled sidecar holds the steps for a small share of the time),
+``staging_slots`` (default 256),
 ``model_name`` (default vLLM's served model name),
 ``cache_salt`` (for requests without one), ``client_name``, ``reconnect_interval_s`` (default
 2: when the sidecar ends a session, by a restart, each side reopens it in the background and
 registers its pool again, one try per interval; vLLM computes meanwhile), ``match_timeout_s``
 (default 1: the longest the scheduler waits for a ``Match``; after a failed one, requests are
 computed without asking for ``reconnect_interval_s``), ``store_timeout_s`` (default 60: the
-longest a background store is waited for; one that times out may still be copying, so its
-staging slots, or in place its request's blocks, are kept from reuse until the session is
-replaced; a hybrid model's blocks in place cannot be kept, as vLLM frees window blocks itself:
-the sidecar publishes nothing of a store whose call was cancelled before its copies ended).
+longest a background store is waited for). Every store carries the moment the connector stops
+waiting for it as its ``not_after``: the sidecar publishes nothing of copies that end later,
+even of a request it reads late (a sidecar stopped or starved meanwhile), so the staging slots
+or vLLM's blocks of a store that timed out are free again at once; those of a store that failed
+earlier without saying how it ended are kept until its ``not_after`` has passed.
 """
 
 from __future__ import annotations
@@ -119,7 +125,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from .. import NO_SLOT
-from ..errors import KvtierError
+from ..errors import DeadlineExceeded, KvtierError
 from ..geometry import Geometry
 from ..keys import BlockKeys
 from ..pool import CpuPool
@@ -162,6 +168,8 @@ _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 MEDIUM = "KVTIER"
 #: Announced keys the scheduler side remembers, to report them removed (~100 bytes each).
 ANNOUNCED_KEYS = 1 << 20
+#: The longest in-place saves pause after steps whose stores ran out of step_store_timeout_s.
+SAVE_PAUSE_MAX_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -394,6 +402,15 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._store_timeout_s = float(extra.get("store_timeout_s", 60.0))
         if not self._store_timeout_s > 0:
             raise ValueError(f"store_timeout_s = {self._store_timeout_s}: give a positive number of seconds")
+        self._step_store_timeout_s = float(extra.get("step_store_timeout_s", 5.0))
+        if not self._step_store_timeout_s > 0:
+            raise ValueError(f"step_store_timeout_s = {self._step_store_timeout_s}: give a positive number of seconds")
+        #: In-place saves that end within the step are skipped before this (monotonic seconds):
+        #: set when a step's stores ran out of time, for a pause that doubles while they do.
+        self._save_again_at = 0.0
+        self._save_pause_s = 0.0
+        #: Stores of the current step that were skipped or timed out (on the store thread).
+        self._late_stores = 0
         mc = vllm_config.model_config
         self._model = str(extra.get("model_name") or getattr(mc, "served_model_name", None) or mc.model)
         self._salt = str(extra.get("cache_salt", ""))
@@ -450,11 +467,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._loader: ThreadPoolExecutor | None = None
         #: True when vLLM's own KV memory is the registered pool (slots are vLLM's block ids).
         self._in_place = False
-        self._stores: deque[tuple[str, list[int], Future[list[int] | None]]] = deque()
-        #: Stores whose outcome is unknown (the call failed after it was sent: the sidecar may
-        #: still be copying): (request, staging slots); the slots, or in place the request's
-        #: blocks (not a hybrid model's), are kept from reuse until the session is replaced.
-        self._unsure: list[tuple[str, list[int]]] = []
+        self._stores: deque[tuple[str, list[int], Future[list[int] | float]]] = deque()
+        #: Stores that failed before their not_after without saying how they ended (the
+        #: sidecar might still publish what it reads): (request, staging slots, not_after);
+        #: the slots, or in place (``async``) the request's blocks, are kept from reuse until
+        #: not_after has passed or the session is replaced.
+        self._unsure: list[tuple[str, list[int], float]] = []
         self._stores_of: dict[str, int] = {}   # stores in flight per request
         self._delayed: set[str] = set()        # finished requests whose free waits on stores
         self._stored_keys: list[int] = []
@@ -462,6 +480,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._client_name = name
         if role == KVConnectorRole.SCHEDULER:
             self._open(name, 1)
+
+    @property
+    def _stores_end_in_step(self) -> bool:
+        """Whether in-place stores end before ``wait_for_save`` returns (``in_place_stores`` =
+        ``in_step``; always for a hybrid model, whose window groups free blocks unannounced)."""
+        return self._num_groups > 1 or self._in_place_stores == "in_step"
 
     # --- session and pools -----------------------------------------------------------------
 
@@ -710,15 +734,15 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forgets the request. A request whose blocks were saved keeps them until the workers
-        report its stores done (``get_finished``), because a worker that registered vLLM's KV
-        in place stores straight from those blocks; with ``kv_path`` = ``staging`` the saves
-        copy out within the step, and the blocks are freed at once. So are a hybrid model's:
-        its workers' in-place stores end within the step that saves them."""
+        report its stores done (``get_finished``) where a worker stores straight from them in
+        the background (in place, ``in_place_stores`` = ``async``); otherwise every save copies
+        out within the step that makes it (through staging, or in place stores that end in the
+        step: the default, and always for a hybrid model), and the blocks are freed at once."""
         st = self._reqs.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
-        if st is None or not st.saved or self._kv_path == "staging" or self._num_groups > 1:
-            return False, None  # saves through staging copied the blocks out within the step
+        if st is None or not st.saved or self._kv_path == "staging" or self._stores_end_in_step:
+            return False, None  # the saves copied the blocks out within the step
         self._delayed_frees.append(request.request_id)
         return True, None
 
@@ -1125,14 +1149,19 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             # model's window groups free blocks as the window moves on, unannounced, and vLLM
             # >= 0.34 applies the next step's copy-on-write block copies before it reports
             # preemptions. So the stores reading them end first (in_place_stores = in_step;
-            # always for a hybrid model), all within store_timeout_s whatever their number.
-            in_step = self._num_groups > 1 or self._in_place_stores == "in_step"
-            deadline = time.monotonic() + self._store_timeout_s if in_step else None
+            # always for a hybrid model), all within step_store_timeout_s whatever their number.
+            in_step = self._stores_end_in_step
+            if in_step and meta.saves and time.monotonic() < self._save_again_at:
+                return  # a sidecar that has not kept up lately: this step computes, unsaved
+            deadline = time.monotonic() + self._step_store_timeout_s if in_step else None
+            self._late_stores = 0
             for spec in meta.saves:
                 keys, parent = self._save_keys(spec)
                 self._submit_store(spec.req_id, session, handle, keys, list(spec.block_ids), parent,
                                    spec.cache_salt, computed, spec.group_block_ids, deadline)
             self._reap(block=in_step)
+            if in_step and meta.saves:
+                self._pace_saves()
             return
         plan = self._layer_saves()
         for p in plan:  # layers vLLM did not save one by one
@@ -1162,6 +1191,21 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 done += len(slots)
         self._reap(block=False)
 
+    def _pace_saves(self) -> None:
+        """After a step's in-step stores: where some ran out of ``step_store_timeout_s`` (a
+        sidecar stopped, starved or stalled, which ends no session), in-place saves pause for
+        ``reconnect_interval_s``, doubling while the stores keep running out (up to 60 s), so
+        such a sidecar holds vLLM's steps for a small share of the time; a step whose stores
+        all end in time resumes them."""
+        if not self._late_stores:
+            self._save_pause_s = 0.0
+            return
+        self._save_pause_s = min(max(2 * self._save_pause_s, self._reopener.interval_s), SAVE_PAUSE_MAX_S)
+        self._save_again_at = time.monotonic() + self._save_pause_s
+        logger.warning("kvtier: %d store(s) of a step did not end within step_store_timeout_s (%.1f s); "
+                       "saves in place paused for %.1f s", self._late_stores, self._step_store_timeout_s,
+                       self._save_pause_s)
+
     def _submit_store(self, req_id: str, session: Session, handle: PoolHandle, keys: BlockKeys, slots: list[int],
                       parent: int | None, salt: str, computed: torch.cuda.Event | None,
                       groups: list[list[int]] | None = None, deadline: float | None = None) -> None:
@@ -1172,13 +1216,18 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _store(self, session: Session, handle: PoolHandle, keys: BlockKeys, slots: list[int],
                parent: int | None, salt: str, computed: torch.cuda.Event | None,
-               groups: list[list[int]], deadline: float | None) -> list[int] | None:
-        """One Store (on the store thread): the keys kvtier took, or None when its outcome is
-        unknown (then its slots stay out of use: :meth:`_reap`). ``groups``: in place, a hybrid
-        model's blocks in KV cache groups 1, 2, ... ``deadline`` (``time.monotonic()``): the
-        end of the step's time for its stores, which the step waits for; a store not sent by
-        then is skipped (the blocks may be vLLM's again when it would run)."""
-        unknown = False
+               groups: list[list[int]], deadline: float | None) -> list[int] | float:
+        """One Store (on the store thread): the keys kvtier took, or, when the call failed
+        before its ``not_after`` without saying how it ended (a cancel, a dropped connection),
+        that ``not_after`` (:func:`time.time`): until then the sidecar might still publish what
+        it reads from the slots, so they stay out of use (:meth:`_reap`). Every store carries
+        ``not_after`` = the moment this side stops waiting for it: the sidecar publishes
+        nothing of copies that end later, even of a request it reads late, so a store that
+        timed out leaves its slots free at once. ``groups``: in place, a hybrid model's blocks
+        in KV cache groups 1, 2, ... ``deadline`` (``time.monotonic()``): the end of the step's
+        time for its stores, which the step waits for; a store not sent by then is skipped (the
+        blocks may be vLLM's again when it would run)."""
+        held_until: float | None = None
         try:
             if computed is not None:
                 computed.synchronize()  # the forward that wrote the blocks is done
@@ -1186,41 +1235,57 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             if deadline is not None:
                 timeout = deadline - time.monotonic()
                 if timeout <= 0:
-                    logger.warning("kvtier: store of %d blocks skipped: the step's stores took store_timeout_s",
+                    self._late_stores += 1
+                    logger.warning("kvtier: store of %d blocks skipped: the step's stores took step_store_timeout_s",
                                    len(keys))
                     return []
-            r = session.store(handle, keys, slots, parent=parent, cache_salt=salt, group_slots=groups,
-                              timeout=timeout)
+            not_after = time.time() + timeout
+            try:
+                r = session.store(handle, keys, slots, parent=parent, cache_salt=salt, group_slots=groups,
+                                  timeout=timeout, not_after=not_after)
+            except Exception as e:  # noqa: BLE001 (logged, never raised into vLLM's step)
+                unknown = outcome_unknown(e) if isinstance(e, KvtierError) else True
+                if deadline is not None and isinstance(e, DeadlineExceeded):
+                    self._late_stores += 1
+                if unknown and time.time() < not_after:
+                    held_until = not_after
+                logger.warning("kvtier: store of %d blocks failed: %s%s", len(keys), e,
+                               f"; its {'blocks' if self._in_place else 'slots'} are kept from reuse for "
+                               f"{not_after - time.time():.1f} s (its not_after)" if held_until else "")
+                if held_until is not None and deadline is not None:
+                    # The step's blocks are vLLM's again once wait_for_save returns: it waits
+                    # out the (at most step_store_timeout_s) rest instead of keeping them.
+                    time.sleep(max(0.0, held_until - time.time()))
+                    held_until = None
+                return held_until if held_until is not None else []
             refused = set(r.no_space)
             return [k for k in keys if k not in refused]
-        except KvtierError as e:
-            unknown = outcome_unknown(e)
-            logger.warning("kvtier: store of %d blocks failed: %s%s", len(keys), e,
-                           "; its slots are kept from reuse until the session is replaced" if unknown else "")
-            return None if unknown else []
         finally:
-            if not self._in_place and not unknown:
+            if not self._in_place and held_until is None:
                 self._give_slots(slots)
 
     def _reap(self, block: bool, only: set[str] | None = None) -> None:
         """Collects finished stores (``block``: waits for them; ``only``: for those requests'
-        stores, which then all finish)."""
+        stores, which then all finish), and lets go of what held stores kept once their
+        ``not_after`` has passed."""
         if block:
             wait_all([f for r, _, f in self._stores if only is None or r in only])
-        kept: deque[tuple[str, list[int], Future[list[int] | None]]] = deque()
+        kept: deque[tuple[str, list[int], Future[list[int] | float]]] = deque()
         for req_id, slots, f in self._stores:
             if not f.done():
                 kept.append((req_id, slots, f))
-            elif (stored := f.result()) is None:
-                # In place the request keeps its blocks (still counted in _stores_of: not
-                # reported); through staging its blocks are free, its slots are kept.
-                self._unsure.append((req_id if self._in_place else "", slots))
+            elif isinstance(stored := f.result(), float):
+                # Held until its not_after: in place the request keeps its blocks (still
+                # counted in _stores_of: not reported), through staging the slots are kept.
+                self._unsure.append((req_id if self._in_place else "", slots, stored))
                 if not self._in_place:
                     self._store_ended(req_id)
             else:
                 self._stored_keys.extend(stored)
                 self._store_ended(req_id)
         self._stores = kept
+        if self._unsure:
+            self._release_unsure(time.time())
 
     def _store_ended(self, req_id: str) -> None:
         n = self._stores_of.get(req_id, 1) - 1
@@ -1229,12 +1294,16 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._stores_of.pop(req_id, None)
 
-    def _release_unsure(self) -> None:
-        """The session was replaced (the old one ended: the sidecar's transfers on its pools
-        are over): stores of unknown outcome release their slots and requests."""
+    def _release_unsure(self, now: float | None = None) -> None:
+        """Held stores release their slots and requests: those whose ``not_after`` is before
+        ``now`` (nothing of them can be published any more), or every one when the session was
+        replaced (``now`` None: the old one ended, and the sidecar's transfers on its pools
+        with it)."""
         unsure, self._unsure = self._unsure, []
-        for req_id, slots in unsure:
-            if self._in_place:
+        for req_id, slots, until in unsure:
+            if now is not None and until > now:
+                self._unsure.append((req_id, slots, until))
+            elif self._in_place:
                 self._store_ended(req_id)
             else:
                 self._give_slots(slots)
