@@ -1189,13 +1189,50 @@ def test_a_store_that_times_out_frees_what_it_read_and_lands_nothing_late(
         sc.stop()
 
 
-def test_in_place_a_stalled_sidecar_holds_few_steps_and_keeps_no_blocks(model_dir: str, tmp_path: Path) -> None:
+def test_a_store_cut_off_early_holds_its_slots_until_its_not_after(model_dir: str, tmp_path: Path) -> None:
+    """A store cut off before its not_after without an answer (its session closed while the
+    request waited in a stopped sidecar's socket, as a session replaced meanwhile is) may still
+    be carried out when the sidecar runs: its staging slots stay out of use until not_after,
+    even once a new session is open, while saves make do with the slot left; then they are free
+    again and prefixes store and load bit-exact."""
+    sc = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
+    config = vllm_config(sc, model_dir, staging_slots=4, store_timeout_s=8.0, match_timeout_s=0.3,
+                         reconnect_interval_s=0.05)
+    try:
+        with engine(config, 81) as (s, w, caches, gen, written):
+            sc.pause()
+            try:
+                s.add_request(request("a", torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()))
+                while s.has_requests():  # a's store waits in the stopped sidecar's socket
+                    step(s, w, caches, gen, written, reap=False)
+                assert w._session is not None
+                w._session.close()  # its channel too: the store is cancelled at once
+                w.flush()
+                assert len(w._unsure) == 1 and len(w._free) == 1, "a's 3 slots held"
+            finally:
+                sc.resume()
+            assert reconnected(s, w, caches, gen, written)
+            s.add_request(request("b", torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()))
+            run_to_end(s, w, caches, gen, written)  # b's blocks saved through the one slot left
+            assert len(w._unsure) == 1 and len(w._free) == 1, "held across the new session"
+            time.sleep(max(0.0, w._unsure[0][2] - time.time()))  # not_after passes
+            w._reap(block=False)
+            assert not w._unsure and len(w._free) == 4, "free once not_after has passed"
+            assert_stores_and_loads(s, w, caches, gen, written)
+    finally:
+        sc.stop()
+
+
+def test_in_place_a_stalled_sidecar_holds_few_steps_and_keeps_no_blocks(model_dir: str, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """In place, stores ending in the step (the default): under a stopped sidecar (SIGSTOP: its
     session does not end), the step's store gives up after step_store_timeout_s, the finished
     request's blocks are freed at once (the store's not_after: nothing of it is published, even
     once the sidecar reads it),
     and saves pause for reconnect_interval_s, so the next steps do not wait; once the sidecar
-    runs again and the pause is over, saves resume and load bit-exact."""
+    runs again and the pause is over, saves resume and load bit-exact. What the scheduler keeps
+    for the BlockStored events of saves it never hears of is bounded."""
+    monkeypatch.setattr("kvtier.integrations.vllm.BLOCK_INFO_KEYS", 4)
     sc = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
     config = vllm_config(sc, model_dir, kv_path="in_place", match_timeout_s=0.3, step_store_timeout_s=0.3,
                          reconnect_interval_s=1.0)
@@ -1232,5 +1269,7 @@ def test_in_place_a_stalled_sidecar_holds_few_steps_and_keeps_no_blocks(model_di
             # a's store, read by the sidecar only once it ran again, stored nothing (its
             # not_after had passed): vLLM may have written those blocks by then.
             assert matched_blocks(sc.target, token_ids=prompt_a) == 0, "nothing of a landed late"
+            # The saves never heard of (a's, b's) are not remembered without bound.
+            assert len(s.connector._block_info) <= 4
     finally:
         sc.stop()

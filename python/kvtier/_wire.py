@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -162,14 +163,15 @@ def load_event(e: pb.LoadEvent) -> LoadEvent:
 def store_request(session_id: int, pool: PoolRef, keys: KeysLike, slots: SlotsLike, parent: int | None,
                   cache_salt: str, durable: bool, group_slots: Sequence[SlotsLike] = (),
                   not_after: float | None = None) -> pb.StoreRequest:
-    if not_after is not None and not not_after > 0:
+    if not_after is not None and not (math.isfinite(not_after) and not_after > 0):
         raise ValueError(f"not_after = {not_after}: give a time.time() in seconds, or None")
     return pb.StoreRequest(
         session_id=session_id, pool_id=pool_id(pool), cache_salt=cache_salt, keys=as_keys(keys).packed,
         slots=slot_list(slots), parent=b"" if parent is None else parent.to_bytes(KEY_BYTES, "little"),
         durable=durable, group_slots=group_slot_lists(group_slots),
-        # Rounded down: the sidecar's cut-off is never later than the caller's.
-        not_after_unix_ms=0 if not_after is None else max(1, int(not_after * 1000)),
+        # Rounded down, and a millisecond early (the float product may round up): the
+        # sidecar's cut-off is never later than the caller's.
+        not_after_unix_ms=0 if not_after is None else max(1, math.floor(not_after * 1000) - 1),
     )
 
 

@@ -168,6 +168,10 @@ _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 MEDIUM = "KVTIER"
 #: Announced keys the scheduler side remembers, to report them removed (~100 bytes each).
 ANNOUNCED_KEYS = 1 << 20
+#: Saved blocks whose store the scheduler side has not heard of yet (their BlockStored event's
+#: parent and tokens, ~1 KiB each); beyond that the oldest are forgotten (a store that failed or
+#: was skipped is never heard of; a very late one then goes unannounced).
+BLOCK_INFO_KEYS = 1 << 16
 #: The longest in-place saves pause after steps whose stores ran out of step_store_timeout_s.
 SAVE_PAUSE_MAX_S = 60.0
 
@@ -471,7 +475,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         #: Stores that failed before their not_after without saying how they ended (the
         #: sidecar might still publish what it reads): (request, staging slots, not_after);
         #: the slots, or in place (``async``) the request's blocks, are kept from reuse until
-        #: not_after has passed or the session is replaced.
+        #: not_after has passed.
         self._unsure: list[tuple[str, list[int], float]] = []
         self._stores_of: dict[str, int] = {}   # stores in flight per request
         self._delayed: set[str] = set()        # finished requests whose free waits on stores
@@ -523,7 +527,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             # (a later store announces them again).
             self._announce_removed(list(self._announced))
         else:
-            self._release_unsure()
+            # Not all held: a store of the old session may still run (its pool stays mapped
+            # until its transfers end); what its not_after has passed is free.
+            self._release_unsure(time.time())
         return True
 
     def _reopen(self) -> tuple[Session, CpuPool | None, PoolHandle]:
@@ -702,6 +708,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             toks = st.request.all_token_ids
             for i in range(first, full):
                 self._block_info[keys[i]] = (keys[i - 1] if i else None, list(toks[i * bs : (i + 1) * bs]))
+            while len(self._block_info) > BLOCK_INFO_KEYS:
+                del self._block_info[next(iter(self._block_info))]
             meta.saves.append(SaveSpec(
                 req_id, keys[first:full].packed, ids[0], keys[first - 1] if first else None, salt,
                 list(toks[: full * bs]) if self._tp_size > 1 else None, first, ids[1:],
@@ -848,14 +856,25 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     # --- staging slots ---------------------------------------------------------------------
 
     def _take_slots(self, n: int) -> list[int]:
-        """Up to ``n`` free staging slots (waiting for stores in flight while none is free)."""
-        with self._slot_lock:
-            while not self._free:
-                if not self._stores:
-                    raise KvtierError("kvtier: no free staging slot")
-                self._slot_lock.wait(0.05)
-            k = min(n, len(self._free))
-            return [self._free.popleft() for _ in range(k)]
+        """Up to ``n`` free staging slots, waiting for stores in flight while none is free
+        (on the engine's thread, which alone reaps stores). With none in flight, the ended
+        ones are reaped and held slots whose store's ``not_after`` has passed come back; if
+        still none is free, :class:`~kvtier.errors.KvtierError`."""
+        while True:
+            with self._slot_lock:
+                if self._free:
+                    k = min(n, len(self._free))
+                    return [self._free.popleft() for _ in range(k)]
+                if any(not f.done() for _, _, f in self._stores):
+                    self._slot_lock.wait(0.05)
+                    continue
+            self._reap(block=False)
+            with self._slot_lock:
+                if self._free:
+                    continue
+            held = sum(len(slots) for _, slots, _ in self._unsure)
+            raise KvtierError(f"kvtier: no free staging slot ({held} held for stores of unknown outcome "
+                              "until their not_after)" if held else "kvtier: no free staging slot")
 
     def _give_slots(self, slots: list[int]) -> None:
         with self._slot_lock:
@@ -911,12 +930,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 self._active_loads.append(a)
             return
         jobs = [(spec, keys, list(spec.block_ids)) for spec, keys in loads]
+        self._reap(block=False)  # stores that ended give their slots back (held ones once due)
         with self._slot_lock:
             room = len(self._free)
-            if jobs and not room and not self._stores:  # every slot is kept from reuse
-                logger.warning("kvtier: no staging slot free; %d loads are recomputed", len(jobs))
-                self._load_errors.update(b for _, _, blocks in jobs for b in blocks)
-                return
+
+        def recompute(rest: list[tuple[LoadSpec, BlockKeys, list[int]]], e: KvtierError) -> None:
+            logger.warning("kvtier: %s; %d loads are recomputed", e, len(rest))
+            self._load_errors.update(b for _, _, blocks in rest for b in blocks)
+
         total = sum(len(b) for _, _, b in jobs)
         # Whatever does not fit the free slots is loaded now, whole, in runs.
         over = max(0, total - room)
@@ -925,7 +946,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             k = min(over, len(blocks))
             done = 0
             while done < k:
-                slots = self._take_slots(k - done)
+                try:
+                    slots = self._take_slots(k - done)
+                except KvtierError as e:  # every slot is kept from reuse
+                    recompute([(spec, keys, blocks[done:])] + jobs[1:], e)
+                    return
                 try:
                     self._load_sync(session, handle, spec, keys[done : done + len(slots)],
                                     blocks[done : done + len(slots)], slots)
@@ -937,8 +962,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 jobs.pop(0)
             else:
                 jobs[0] = (spec, keys[k:], blocks[k:])
-        for spec, keys, blocks in jobs:
-            slots = self._take_slots(len(blocks))
+        for j, (spec, keys, blocks) in enumerate(jobs):
+            try:
+                slots = self._take_slots(len(blocks))
+            except KvtierError as e:
+                recompute(jobs[j:], e)
+                return
             for i in range(len(slots), len(blocks), len(slots)):  # stores took slots meanwhile
                 self._load_sync(session, handle, spec, keys[i : i + len(slots)], blocks[i : i + len(slots)],
                                 slots[: len(blocks[i : i + len(slots)])])
@@ -1254,7 +1283,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                                f"{not_after - time.time():.1f} s (its not_after)" if held_until else "")
                 if held_until is not None and deadline is not None:
                     # The step's blocks are vLLM's again once wait_for_save returns: it waits
-                    # out the (at most step_store_timeout_s) rest instead of keeping them.
+                    # out the (at most step_store_timeout_s) rest instead of keeping them, and
+                    # counts as late (saves pause).
+                    self._late_stores += 1
                     time.sleep(max(0.0, held_until - time.time()))
                     held_until = None
                 return held_until if held_until is not None else []
@@ -1294,14 +1325,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._stores_of.pop(req_id, None)
 
-    def _release_unsure(self, now: float | None = None) -> None:
-        """Held stores release their slots and requests: those whose ``not_after`` is before
-        ``now`` (nothing of them can be published any more), or every one when the session was
-        replaced (``now`` None: the old one ended, and the sidecar's transfers on its pools
-        with it)."""
+    def _release_unsure(self, now: float) -> None:
+        """Held stores whose ``not_after`` is before ``now`` (nothing of them can be published
+        any more) release their slots and requests. Not earlier, not even for a replaced
+        session: a transfer of the old one runs to its end with its pool still mapped."""
         unsure, self._unsure = self._unsure, []
         for req_id, slots, until in unsure:
-            if now is not None and until > now:
+            if until > now:
                 self._unsure.append((req_id, slots, until))
             elif self._in_place:
                 self._store_ended(req_id)
