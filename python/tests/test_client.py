@@ -733,5 +733,14 @@ def test_a_store_with_not_after_publishes_nothing_late(tmp_path: Path) -> None:
             assert s.match(h, keys).matched_blocks == 2
             with pytest.raises(ValueError, match="not_after = -1"):
                 s.store(h, keys, [0, 1], not_after=-1)
+
+            async def aio_store() -> None:
+                async with await kvtier.aio.connect(sc.target, "not-after-aio") as a:
+                    ah = await a.register_pool(p, "not-after")
+                    with pytest.raises(kvtier.DeadlineExceeded, match="not_after"):
+                        await a.store(ah, other, [2, 3], not_after=time.time() - 1)
+                    assert (await a.store(ah, other, [2, 3], not_after=time.time() + 30)).already_stored == 2
+
+            asyncio.run(aio_store())
     finally:
         sc.stop()
