@@ -106,7 +106,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
@@ -443,12 +443,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         #: Per request asked about: (blocks kvtier matched, tokens vLLM had computed locally).
         self._matched: dict[str, tuple[int, int]] = {}
         self._loads: dict[str, LoadSpec] = {}
-        self._block_info: dict[int, tuple[int | None, list[int]]] = {}
+        self._block_info: OrderedDict[int, tuple[int | None, list[int]]] = OrderedDict()
         self._events: list[KVCacheEvent] = []
         #: Keys announced as BlockStored and not since as BlockRemoved, with when (monotonic
         #: seconds; oldest first, at most ANNOUNCED_KEYS: beyond that the oldest are forgotten
         #: without an event).
-        self._announced: dict[int, float] = {}
+        self._announced: OrderedDict[int, float] = OrderedDict()
         self._kv_cache_manager: KVCacheManager | None = None
         self._delayed_frees: list[str] = []
         # worker side
@@ -709,7 +709,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             for i in range(first, full):
                 self._block_info[keys[i]] = (keys[i - 1] if i else None, list(toks[i * bs : (i + 1) * bs]))
             while len(self._block_info) > BLOCK_INFO_KEYS:
-                del self._block_info[next(iter(self._block_info))]
+                self._block_info.popitem(last=False)  # O(1), unlike a dict's first key
             meta.saves.append(SaveSpec(
                 req_id, keys[first:full].packed, ids[0], keys[first - 1] if first else None, salt,
                 list(toks[: full * bs]) if self._tp_size > 1 else None, first, ids[1:],
@@ -734,7 +734,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             self._announced[key] = time.monotonic()
             if len(self._announced) > ANNOUNCED_KEYS:
-                del self._announced[next(iter(self._announced))]
+                self._announced.popitem(last=False)
             self._events.append(BlockStored(
                 block_hashes=[key], parent_block_hash=parent, token_ids=tokens, block_size=self._block_size,
                 lora_id=None, medium=MEDIUM, lora_name=None,
@@ -904,6 +904,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._session_ok()  # else the loads fail, and their blocks are recomputed
         session, handle = self._ready()
         self._finish_loads()
+        self._reap(block=False)  # stores that ended give their slots back (held ones once due)
         loads: list[tuple[LoadSpec, BlockKeys]] = []
         for spec in meta.loads:
             keys = self._worker_keys(spec.keys, spec.token_ids, spec.first_block, spec.cache_salt)
@@ -930,7 +931,6 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 self._active_loads.append(a)
             return
         jobs = [(spec, keys, list(spec.block_ids)) for spec, keys in loads]
-        self._reap(block=False)  # stores that ended give their slots back (held ones once due)
         with self._slot_lock:
             room = len(self._free)
 
@@ -1164,6 +1164,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, KvtierConnectorMetadata)
         if not self._session_ok():  # the sidecar is away: this step's saves are skipped
             if self._planned_for is meta:
+                if any(p.run is not None for p in self._planned):
+                    self._staged().done()  # copies into the slots (a copy stream) end first
                 self._give_slots([x for p in self._planned if p.run is not None for x in p.run.slots])
             self._planned_for, self._planned = None, []
             return
@@ -1259,7 +1261,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         held_until: float | None = None
         try:
             if computed is not None:
-                computed.synchronize()  # the forward that wrote the blocks is done
+                try:
+                    computed.synchronize()  # the forward that wrote the blocks is done
+                except Exception as e:  # noqa: BLE001 (logged, never raised into vLLM's step)
+                    logger.warning("kvtier: store of %d blocks skipped: %r", len(keys), e)
+                    return []
             timeout = self._store_timeout_s
             if deadline is not None:
                 timeout = deadline - time.monotonic()
@@ -1274,18 +1280,16 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                                   timeout=timeout, not_after=not_after)
             except Exception as e:  # noqa: BLE001 (logged, never raised into vLLM's step)
                 unknown = outcome_unknown(e) if isinstance(e, KvtierError) else True
-                if deadline is not None and isinstance(e, DeadlineExceeded):
-                    self._late_stores += 1
                 if unknown and time.time() < not_after:
                     held_until = not_after
+                if deadline is not None and (held_until is not None or isinstance(e, DeadlineExceeded)):
+                    self._late_stores += 1  # the step ran out of time for it, or waits it out
                 logger.warning("kvtier: store of %d blocks failed: %s%s", len(keys), e,
                                f"; its {'blocks' if self._in_place else 'slots'} are kept from reuse for "
                                f"{not_after - time.time():.1f} s (its not_after)" if held_until else "")
                 if held_until is not None and deadline is not None:
                     # The step's blocks are vLLM's again once wait_for_save returns: it waits
-                    # out the (at most step_store_timeout_s) rest instead of keeping them, and
-                    # counts as late (saves pause).
-                    self._late_stores += 1
+                    # out the (at most step_store_timeout_s) rest instead of keeping them.
                     time.sleep(max(0.0, held_until - time.time()))
                     held_until = None
                 return held_until if held_until is not None else []
