@@ -1223,6 +1223,33 @@ def test_a_store_cut_off_early_holds_its_slots_until_its_not_after(model_dir: st
         sc.stop()
 
 
+def test_in_place_async_a_preempted_requests_held_store_is_waited_out(model_dir: str, tmp_path: Path) -> None:
+    """In place with in_place_stores = async, a store cut off early without an answer (its
+    session closed under a stopped sidecar) is held until its not_after; vLLM reuses a
+    preempted request's blocks at once, so handle_preemptions waits that out first."""
+    sc = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
+    config = vllm_config(sc, model_dir, kv_path="in_place", in_place_stores="async", store_timeout_s=2.0,
+                         match_timeout_s=0.3, reconnect_interval_s=0.05)
+    try:
+        with in_place_engine(config, "preempted-held", 91) as (s, w, caches, gen, written):
+            sc.pause()
+            try:
+                s.add_request(request("a", torch.randint(100, 30000, (3 * BLOCK + 4,), generator=gen).tolist()))
+                step(s, w, caches, gen, written, reap=False)  # a computed, its store sent
+                assert w._session is not None and w._stores
+                w._session.close()  # its channel too: the store is cancelled at once
+                assert wait_for(lambda: all(f.done() for _, _, f in w._stores), timeout=30)
+                w._reap(block=False)
+                (req, _, until), = w._unsure
+                assert req == "a" and until > time.time(), "held"
+                w.handle_preemptions(KvtierConnectorMetadata(preempted=["a"]))
+                assert time.time() >= until and not w._unsure, "waited out before vLLM reuses a's blocks"
+            finally:
+                sc.resume()
+    finally:
+        sc.stop()
+
+
 def test_in_place_a_stalled_sidecar_holds_few_steps_and_keeps_no_blocks(model_dir: str, tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """In place, stores ending in the step (the default): under a stopped sidecar (SIGSTOP: its

@@ -1351,13 +1351,22 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def handle_preemptions(self, kv_connector_metadata: Any = None) -> None:
         """Before vLLM reuses a preempted request's blocks: its stores that read them in place
-        finish first."""
+        finish first, and one held until its ``not_after`` (cut off early without an answer:
+        the sidecar might still publish what it reads) is waited out, as vLLM cannot be asked
+        to keep a preempted request's blocks."""
         if not self._in_place:
             return
         meta = kv_connector_metadata
         preempted = set(meta) if isinstance(meta, set) else set(getattr(meta, "preempted", None) or ())
-        if preempted:
-            self._reap(block=True, only=preempted)
+        if not preempted:
+            return
+        self._reap(block=True, only=preempted)
+        until = max((t for r, _, t in self._unsure if r in preempted), default=0.0)
+        if until > time.time():
+            logger.warning("kvtier: waiting %.1f s for a preempted request's store of unknown outcome (its not_after)",
+                           until - time.time())
+            time.sleep(max(0.0, until - time.time()))
+            self._release_unsure(time.time())
 
     def flush(self) -> None:
         """Waits for every store and background load in flight (for tests and shutdown)."""
