@@ -53,6 +53,35 @@ fn code(e: kvtier_client::ClientError) -> Code {
     }
 }
 
+/// A store with a `not_after` that has passed stores nothing and says so; one in time stores.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_past_its_not_after_stores_nothing() {
+    use std::time::{Duration, SystemTime};
+    let sidecar = Sidecar::start(|_| {}).await;
+    let mut e = engine(&sidecar, 8).await;
+    let tokens: Vec<u32> = (0..16 * 2).map(|t| t * 3 + 2).collect();
+    let keys = e.handle.keys("", &tokens).unwrap();
+    e.write(&keys, 0);
+    let past = SystemTime::now() - Duration::from_secs(1);
+    let err = e
+        .client
+        .store_until(&e.handle, "", None, &Engine::slots(&keys, 0), past)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("not_after: nothing was stored"), "{err}");
+    assert_eq!(code(err), Code::DeadlineExceeded);
+    let m = e.client.match_keys(&e.handle, "", &keys).await.unwrap();
+    assert_eq!(m.matched_tokens, 0, "nothing stored");
+    let later = SystemTime::now() + Duration::from_secs(60);
+    let r = e
+        .client
+        .store_until(&e.handle, "", None, &Engine::slots(&keys, 0), later)
+        .await
+        .unwrap();
+    assert_eq!(r.stored_blocks, 2);
+    sidecar.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_match_load_round_trip_bit_exact() {
     let sidecar = Sidecar::start(|_| {}).await;

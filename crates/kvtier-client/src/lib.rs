@@ -21,7 +21,7 @@ mod pool_handle;
 mod session;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvtier_core::{BlockKey, KvGeometry};
 use kvtier_proto::proto::kv_tier_client::KvTierClient;
@@ -407,7 +407,32 @@ impl Client {
         parent: Option<BlockKey>,
         blocks: &[(BlockKey, u32)],
     ) -> Result<StoreReply, ClientError> {
-        self.store_with(pool, salt, parent, blocks, false).await
+        self.store_with(pool, salt, parent, blocks, false, None).await
+    }
+
+    /// Like [`Client::store`], but the sidecar publishes nothing unless its copies end by
+    /// `not_after`, and refuses the store if that has passed before it starts
+    /// (`DEADLINE_EXCEEDED` either way). From `not_after` on, the slots may be written again
+    /// whatever became of the call: dropped, timed out, or read late by a sidecar that was
+    /// stopped while the request waited. `not_after` is on the wall clock the sidecar's host
+    /// shares (in-place pools are on the same host).
+    ///
+    /// # Errors
+    /// As [`Client::store`].
+    ///
+    /// # Cancel safety
+    /// Dropping the future is safe once `not_after` has passed: nothing read from the slots
+    /// after it is published.
+    pub async fn store_until(
+        &mut self,
+        pool: &PoolHandle,
+        salt: &str,
+        parent: Option<BlockKey>,
+        blocks: &[(BlockKey, u32)],
+        not_after: SystemTime,
+    ) -> Result<StoreReply, ClientError> {
+        self.store_with(pool, salt, parent, blocks, false, Some(not_after))
+            .await
     }
 
     /// Like [`Client::store`], but returns only when the blocks are also written to the
@@ -429,7 +454,7 @@ impl Client {
         parent: Option<BlockKey>,
         blocks: &[(BlockKey, u32)],
     ) -> Result<StoreReply, ClientError> {
-        self.store_with(pool, salt, parent, blocks, true).await
+        self.store_with(pool, salt, parent, blocks, true, None).await
     }
 
     async fn store_with(
@@ -439,6 +464,7 @@ impl Client {
         parent: Option<BlockKey>,
         blocks: &[(BlockKey, u32)],
         durable: bool,
+        not_after: Option<SystemTime>,
     ) -> Result<StoreReply, ClientError> {
         let r = self
             .rpc
@@ -451,7 +477,12 @@ impl Client {
                 parent: pack_key(parent),
                 durable,
                 group_slots: Vec::new(),
-                not_after_unix_ms: 0,
+                // Whole milliseconds, rounded down: never later than the caller's time (one
+                // before the epoch has long passed: 1 ms).
+                not_after_unix_ms: not_after.map_or(0, |t| {
+                    t.duration_since(UNIX_EPOCH)
+                        .map_or(1, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1))
+                }),
             })
             .await?
             .into_inner();
