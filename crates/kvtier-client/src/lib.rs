@@ -21,7 +21,7 @@ mod pool_handle;
 mod session;
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use kvtier_core::{BlockKey, KvGeometry};
 use kvtier_proto::proto::kv_tier_client::KvTierClient;
@@ -477,12 +477,7 @@ impl Client {
                 parent: pack_key(parent),
                 durable,
                 group_slots: Vec::new(),
-                // Whole milliseconds, rounded down: never later than the caller's time (one
-                // before the epoch has long passed: 1 ms).
-                not_after_unix_ms: not_after.map_or(0, |t| {
-                    t.duration_since(UNIX_EPOCH)
-                        .map_or(1, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1))
-                }),
+                not_after_unix_ms: kvtier_proto::wire::pack_not_after(not_after),
             })
             .await?
             .into_inner();

@@ -1,5 +1,8 @@
 //! Keys on the wire: N keys packed back to back in one `bytes` field (16 bytes each,
-//! little-endian), so a request's cost does not grow by a message per block.
+//! little-endian), so a request's cost does not grow by a message per block. Also a store's
+//! `not_after_unix_ms`, both ways.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvtier_core::BlockKey;
 use prost::bytes::{BufMut, Bytes, BytesMut};
@@ -59,9 +62,33 @@ pub fn unpack_one_key(field: &'static str, bytes: &[u8]) -> Result<BlockKey, Pro
     })
 }
 
+/// `StoreRequest.not_after_unix_ms` for a time: 0 for none, else whole milliseconds rounded
+/// down (never later than the caller's time; a time before the epoch, long past, is 1).
+pub fn pack_not_after(not_after: Option<SystemTime>) -> u64 {
+    not_after.map_or(0, |t| {
+        t.duration_since(UNIX_EPOCH)
+            .map_or(1, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1))
+    })
+}
+
+/// The time `StoreRequest.not_after_unix_ms` names (0: none).
+pub fn unpack_not_after(unix_ms: u64) -> Option<SystemTime> {
+    (unix_ms > 0).then(|| UNIX_EPOCH + Duration::from_millis(unix_ms))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn not_after_rounds_down_and_zero_is_none() {
+        assert_eq!(pack_not_after(None), 0);
+        assert_eq!(unpack_not_after(0), None);
+        let t = UNIX_EPOCH + Duration::from_micros(1_700_000_000_123_999);
+        assert_eq!(pack_not_after(Some(t)), 1_700_000_000_123);
+        assert!(unpack_not_after(pack_not_after(Some(t))).unwrap() <= t);
+        assert_eq!(pack_not_after(Some(UNIX_EPOCH - Duration::from_secs(1))), 1);
+    }
 
     #[test]
     fn round_trip_and_bad_lengths() {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use kvtier_core::{BlockHasher, BlockKey, KvGeometry, PoolLayout, Tier};
 use kvtier_cuda::{CopyMethod, CudaBufferSpec, CudaDevicePool, CudaPoolSpec};
 use kvtier_proto::proto::{self, kv_tier_server::KvTier};
-use kvtier_proto::wire::{pack_keys, unpack_key, unpack_keys, unpack_one_key};
+use kvtier_proto::wire::{pack_keys, unpack_key, unpack_keys, unpack_not_after, unpack_one_key};
 use kvtier_proto::{
     LayerEvents, LoadDone, MatchReply, MatchedBlock, StoreReply, WireTiming, geometry_from_proto,
     tier_filter_from_proto,
@@ -708,8 +708,7 @@ impl KvTier for KvTierService {
                 ns,
                 &blocks,
                 durability,
-                (r.not_after_unix_ms > 0)
-                    .then(|| std::time::UNIX_EPOCH + Duration::from_millis(r.not_after_unix_ms)),
+                unpack_not_after(r.not_after_unix_ms),
                 sink,
             )?;
             let report = copied_rx.await.unwrap_or(Err(TransferError::ShutDown))?;

@@ -129,7 +129,6 @@ impl GroupedSlots {
             );
         }
         let blocks = slots[0].len();
-        let num_slots = pool.num_slots();
         for (g, list) in slots.iter().enumerate() {
             if list.len() != blocks {
                 return err(
@@ -150,11 +149,8 @@ impl GroupedSlots {
                     }
                     continue;
                 }
-                if s >= num_slots {
-                    return err(
-                        field(g),
-                        format!("device slot {s} out of range: the pool has {num_slots} slots"),
-                    );
+                if let Err(e) = pool.check_slot(s) {
+                    return err(field(g), e.to_string());
                 }
                 if !seen.insert(s) {
                     return err(field(g), format!("device slot {s} appears twice in the list"));
