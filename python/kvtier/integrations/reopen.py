@@ -87,13 +87,16 @@ class Reopener(Generic[T]):
         self._inflight = None
 
 
-def outcome_unknown(e: KvtierError) -> bool:
-    """Whether a failed call may still be carried out by the sidecar: it was sent, and no answer
-    said how it ended (a deadline, a cancel, a dropped connection). Memory such a call reads or
-    writes must not be reused before the sidecar is known to be done with it."""
-    return not isinstance(e, SessionClosed) and e.code in (
+def held_until(e: Exception, not_after: float) -> float | None:
+    """For a store sent with ``not_after`` (:func:`time.time` seconds) that failed with ``e``:
+    until when the memory it reads must stay unused, or None when it may be reused now. The
+    sidecar publishes nothing of copies that end after ``not_after``, so only a call that
+    failed before then without an answer saying how it ended (a cancel, a dropped connection,
+    an error raised on this side) keeps its memory, until ``not_after``."""
+    answered = isinstance(e, SessionClosed) or (isinstance(e, KvtierError) and e.code not in (
         grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.UNKNOWN)
+        grpc.StatusCode.UNKNOWN))
+    return None if answered or time.time() >= not_after else not_after
 
 
 def discard_reopened(made: tuple[Session, CpuPool | None, PoolHandle]) -> None:

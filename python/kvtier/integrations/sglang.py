@@ -53,7 +53,7 @@ from ..keys import BlockKeys
 from ..pool import CpuPool
 from ..results import PoolHandle, StoreResult
 from ..session import Session
-from .reopen import REOPEN_CONNECT_TIMEOUT_S, Reopener, discard_reopened, outcome_unknown
+from .reopen import REOPEN_CONNECT_TIMEOUT_S, Reopener, discard_reopened, held_until
 from .staging import add_staging_pool, open_session, open_staging
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -190,7 +190,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             return session.store(handle, keys, range(len(keys)), cache_salt=self._salt, timeout=self._store_timeout_s,
                                  not_after=not_after, **kw)
         except KvtierError as e:
-            if outcome_unknown(e) and time.time() < not_after:
+            if held_until(e, not_after) is not None:
                 logger.warning("kvtier: a store's outcome is unknown (%s); the staging pool is replaced", e)
                 self._tainted = True
                 session.close()

@@ -132,7 +132,7 @@ from ..pool import CpuPool
 from ..results import BlocksMissing, LayerReady, LoadDone, PoolHandle
 from ..session import LoadStream, Session
 from .in_place import NotInPlace, register_in_place
-from .reopen import REOPEN_CONNECT_TIMEOUT_S, Reopener, discard_reopened, outcome_unknown
+from .reopen import REOPEN_CONNECT_TIMEOUT_S, Reopener, discard_reopened, held_until
 from .staged_copies import NULL_BLOCK, BlockRun, StagedCopies, kv_planes
 from .staging import add_staging_pool, open_session, open_staging
 
@@ -1258,7 +1258,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         in KV cache groups 1, 2, ... ``deadline`` (``time.monotonic()``): the end of the step's
         time for its stores, which the step waits for; a store not sent by then is skipped (the
         blocks may be vLLM's again when it would run)."""
-        held_until: float | None = None
+        kept: float | None = None  # the not_after until which the slots stay out of use
         try:
             if computed is not None:
                 try:
@@ -1279,24 +1279,24 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 r = session.store(handle, keys, slots, parent=parent, cache_salt=salt, group_slots=groups,
                                   timeout=timeout, not_after=not_after)
             except Exception as e:  # noqa: BLE001 (logged, never raised into vLLM's step)
-                unknown = outcome_unknown(e) if isinstance(e, KvtierError) else True
-                if unknown and time.time() < not_after:
-                    held_until = not_after
-                if deadline is not None and (held_until is not None or isinstance(e, DeadlineExceeded)):
+                held = held_until(e, not_after)
+                if deadline is not None and (held is not None or isinstance(e, DeadlineExceeded)):
                     self._late_stores += 1  # the step ran out of time for it, or waits it out
                 logger.warning("kvtier: store of %d blocks failed: %s%s", len(keys), e,
                                f"; its {'blocks' if self._in_place else 'slots'} are kept from reuse for "
-                               f"{not_after - time.time():.1f} s (its not_after)" if held_until else "")
-                if held_until is not None and deadline is not None:
-                    # The step's blocks are vLLM's again once wait_for_save returns: it waits
-                    # out the (at most step_store_timeout_s) rest instead of keeping them.
-                    time.sleep(max(0.0, held_until - time.time()))
-                    held_until = None
-                return held_until if held_until is not None else []
+                               f"{not_after - time.time():.1f} s (its not_after)" if held else "")
+                if held is not None and deadline is not None:
+                    # The step's blocks are vLLM's again once wait_for_save returns: nothing
+                    # signals the end of a call cut off unanswered, only its not_after (at most
+                    # step_store_timeout_s away), which the step waits out.
+                    time.sleep(max(0.0, held - time.time()))
+                    return []
+                kept = held
+                return kept if kept is not None else []
             refused = set(r.no_space)
             return [k for k in keys if k not in refused]
         finally:
-            if not self._in_place and held_until is None:
+            if not self._in_place and kept is None:
                 self._give_slots(slots)
 
     def _reap(self, block: bool, only: set[str] | None = None) -> None:
