@@ -314,6 +314,12 @@ fn a_master_killed_during_loads_serves_no_wrong_byte_and_reports_what_it_lost() 
             whole_after_kill,
             "after {loads} loads ({partial} partial, {lost_blocks} blocks reported missing) the prefix never loaded whole again"
         );
-        eprintln!("failover: {loads} loads, {partial} partial, {lost_blocks} blocks reported missing, 0 wrong bytes");
+        // Reads went straight to the masters' sockets before the kill (and back to the
+        // cluster client where a socket broke).
+        let direct = remote_stats(&mut b).await["direct_reads_total"].as_u64().unwrap();
+        assert!(direct > 0, "no read went straight to a master");
+        eprintln!(
+            "failover: {loads} loads, {partial} partial, {lost_blocks} blocks reported missing, 0 wrong bytes; {direct} direct reads"
+        );
     });
 }

@@ -33,6 +33,9 @@ use tokio::sync::Semaphore;
 use crate::remote_value::{encode_header, remote_key, remote_key_pattern, verify_header};
 use crate::{PageWriter, PinnedPage, StoreError, WritePolicy};
 
+mod direct_reads;
+use direct_reads::{Direct, DirectReads};
+
 /// Configuration of the remote tier (plain data; defaults documented per field).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -209,6 +212,9 @@ pub struct RemoteTierStats {
     pub read_errors_total: u64,
     /// Payload bytes read that verified.
     pub read_bytes_total: u64,
+    /// Reads answered straight off the owning master's socket (hit, miss or corrupt); the
+    /// rest went through the cluster client (TLS, a redirection, a node that failed).
+    pub direct_reads_total: u64,
     /// Blocks written.
     pub written_blocks_total: u64,
     /// Payload bytes written.
@@ -243,6 +249,7 @@ struct Counters {
     read_timeouts: AtomicU64,
     read_errors: AtomicU64,
     read_bytes: AtomicU64,
+    direct_reads: AtomicU64,
     written: AtomicU64,
     written_bytes: AtomicU64,
     write_busy_ns: AtomicU64,
@@ -274,6 +281,9 @@ struct Inner {
     counters: Counters,
     reads: Arc<Semaphore>,
     writes: Arc<Semaphore>,
+    /// Block reads off the masters' sockets (`None` with TLS: reads go through the cluster
+    /// client).
+    direct: Option<Arc<DirectReads>>,
     /// Blocks queued or being written, and its waiters ([`RemoteTier::flush`]).
     pending: Mutex<u64>,
     /// First start and last end of the writes that succeeded since the last
@@ -425,6 +435,15 @@ impl RemoteTier {
             counters: Counters::default(),
             reads: Arc::new(Semaphore::new(config.read_concurrency)),
             writes: Arc::new(Semaphore::new(config.write_concurrency)),
+            direct: (!config.tls).then(|| {
+                Arc::new(DirectReads::new(
+                    config.username.clone(),
+                    config.password.clone(),
+                    Duration::from_millis(config.connect_timeout_ms),
+                    Duration::from_millis(config.retry_ms),
+                    config.read_concurrency,
+                ))
+            }),
             pending: Mutex::new(0),
             write_window: Mutex::new(None),
             settled: Condvar::new(),
@@ -462,6 +481,9 @@ impl RemoteTier {
     }
 
     fn set_connected(&self, conn: ClusterConnection) {
+        if let Some(d) = &self.inner.direct {
+            self.inner.handle.spawn(Arc::clone(d).refresh(conn.clone()));
+        }
         *lock(&self.inner.conn) = Some(conn);
         self.inner.connected.store(true, Ordering::Release);
         tracing::info!(nodes = %self.inner.config.nodes.join(","), "remote tier connected");
@@ -632,27 +654,19 @@ impl RemoteTier {
                 let (tx, rx) = std::sync::mpsc::sync_channel(1);
                 let tier = self.clone();
                 let conn = conn.clone();
-                let cmd = redis::cmd("GET").arg(self.key(ns, key)).clone();
+                let name = self.key(ns, key);
                 let permits = Arc::clone(&self.inner.reads);
+                let len = self.inner.geometry.bytes_per_block();
                 self.inner.handle.spawn(async move {
                     let fetched = match conn {
                         None => Fetched::Failed(FetchFailure::Unavailable),
-                        Some(mut conn) => match permits.acquire_owned().await {
+                        Some(conn) => match permits.acquire_owned().await {
                             Err(_) => Fetched::Failed(FetchFailure::Unavailable),
                             Ok(_permit) => {
-                                match tokio::time::timeout(
-                                    timeout,
-                                    cmd.query_async::<Option<Vec<u8>>>(&mut conn),
-                                )
-                                .await
-                                {
-                                    // The client's own response timeout is the same bound.
-                                    Err(_) => Fetched::Failed(FetchFailure::Timeout),
-                                    Ok(Err(e)) if e.is_timeout() => Fetched::Failed(FetchFailure::Timeout),
-                                    Ok(Err(e)) => Fetched::Failed(FetchFailure::Error(e.to_string())),
-                                    Ok(Ok(None)) => Fetched::Absent,
-                                    Ok(Ok(Some(v))) => Fetched::Value(v),
-                                }
+                                // The client's own response timeout is the same bound.
+                                tokio::time::timeout(timeout, tier.fetch(conn, &name, ns, key, len, &writer))
+                                    .await
+                                    .unwrap_or(Fetched::Failed(FetchFailure::Timeout))
                             }
                         },
                     };
@@ -669,6 +683,45 @@ impl RemoteTier {
             })
             .collect();
         RemoteReads { slots, left }
+    }
+
+    /// Reads value `name` into `writer`'s page: straight off the owning master's socket
+    /// ([`DirectReads`]) where it can, else a GET through the cluster client (verified into
+    /// the page by [`RemoteTier::settle`]).
+    async fn fetch(
+        &self,
+        mut conn: ClusterConnection,
+        name: &str,
+        ns: NamespaceFingerprint,
+        key: BlockKey,
+        len: usize,
+        writer: &PageWriter,
+    ) -> Fetched {
+        if let Some(d) = &self.inner.direct {
+            if d.needs_refresh() {
+                self.inner.handle.spawn(Arc::clone(d).refresh(conn.clone()));
+            }
+            let direct = match d.read(name, ns, key, len, writer).await {
+                Direct::Copied => Fetched::Copied,
+                Direct::Absent => Fetched::Absent,
+                Direct::Corrupt(reason) => Fetched::Corrupt(reason),
+                Direct::Fallback => Fetched::Failed(FetchFailure::Unavailable),
+            };
+            if !matches!(direct, Fetched::Failed(_)) {
+                self.inner.counters.direct_reads.fetch_add(1, Ordering::Relaxed);
+                return direct;
+            }
+        }
+        match redis::cmd("GET")
+            .arg(name)
+            .query_async::<Option<Vec<u8>>>(&mut conn)
+            .await
+        {
+            Err(e) if e.is_timeout() => Fetched::Failed(FetchFailure::Timeout),
+            Err(e) => Fetched::Failed(FetchFailure::Error(e.to_string())),
+            Ok(None) => Fetched::Absent,
+            Ok(Some(v)) => Fetched::Value(v),
+        }
     }
 
     /// Counts what a read found and, for a value, verifies it into `writer`'s page.
@@ -705,6 +758,13 @@ impl RemoteTier {
                 c.read_errors.fetch_add(1, Ordering::Relaxed);
                 self.trip("read failed");
                 Err(remote_err("read", format!("block {key}: {e}")))
+            }
+            Fetched::Corrupt(reason) => Err(self.corrupt(ns, key, reason)),
+            Fetched::Copied => {
+                c.hits.fetch_add(1, Ordering::Relaxed);
+                c.read_bytes
+                    .fetch_add(self.inner.geometry.bytes_per_block() as u64, Ordering::Relaxed);
+                Ok(())
             }
             Fetched::Value(v) => {
                 let len = self.inner.geometry.bytes_per_block();
@@ -912,6 +972,7 @@ impl RemoteTier {
             read_timeouts_total: r(&c.read_timeouts),
             read_errors_total: r(&c.read_errors),
             read_bytes_total: r(&c.read_bytes),
+            direct_reads_total: r(&c.direct_reads),
             written_blocks_total: r(&c.written),
             written_bytes_total: r(&c.written_bytes),
             write_busy_ns_total: r(&c.write_busy_ns),
@@ -1054,7 +1115,12 @@ enum FetchFailure {
 
 #[derive(Debug)]
 enum Fetched {
+    /// A value through the cluster client, to verify.
     Value(Vec<u8>),
+    /// Read straight into the page and verified ([`DirectReads`]).
+    Copied,
+    /// Read straight off the socket but did not verify (what did not).
+    Corrupt(&'static str),
     Absent,
     Failed(FetchFailure),
 }

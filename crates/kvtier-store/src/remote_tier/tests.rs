@@ -103,6 +103,16 @@ fn read_back(
         .collect()
 }
 
+/// Waits until the tier has loaded the cluster's slot map (its direct reads start then).
+fn wait_for_slot_map(remote: &RemoteTier) {
+    let direct = remote.inner.direct.as_ref().expect("direct reads without TLS");
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while direct.needs_refresh() {
+        assert!(std::time::Instant::now() < until, "no slot map after 10 s");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 #[test]
 fn blocks_round_trip_bit_exact_and_every_fault_is_a_counted_miss() {
     let cluster = TestCluster::start(&[]);
@@ -122,10 +132,14 @@ fn blocks_round_trip_bit_exact_and_every_fault_is_a_counted_miss() {
     assert_eq!(remote.match_run(NS, &gap), 5);
     assert_eq!(remote.match_run(OTHER, &ks), 0);
 
-    // Bit-exact into fresh host pages.
+    // Bit-exact into fresh host pages, read straight off the masters' sockets once the tier
+    // has the slot map.
+    wait_for_slot_map(&remote);
+    let direct = remote.stats().direct_reads_total;
     for (k, got) in ks.iter().zip(read_back(&remote, NS, &ks)) {
         assert_eq!(got.unwrap(), bytes_of(*k), "block {k}");
     }
+    assert_eq!(remote.stats().direct_reads_total, direct + 12);
     assert!(matches!(
         read_back(&remote, OTHER, &ks[..1]).pop().unwrap(),
         Err(StoreError::NotFound { tier: "remote", .. })
@@ -165,6 +179,28 @@ fn blocks_round_trip_bit_exact_and_every_fault_is_a_counted_miss() {
     );
     assert_eq!(got[2].as_ref().unwrap(), &bytes_of(ks[2]));
     assert_eq!(remote.stats().corrupt_total, before + 2);
+
+    // The same through the cluster client (a value the direct path gave up on mid-way left
+    // its connection closed, and the next reads still find every block).
+    let direct = remote.stats().direct_reads_total;
+    let mut through_client = RemoteTier::open(geo(), &config(cluster.nodes())).unwrap();
+    Arc::get_mut(&mut through_client.inner)
+        .expect("one handle")
+        .direct = None;
+    let got = read_back(&through_client, NS, &ks[..4]);
+    assert!(matches!(got[0], Err(StoreError::CorruptBlock { .. })));
+    assert!(matches!(got[1], Err(StoreError::CorruptBlock { .. })));
+    assert_eq!(got[2].as_ref().unwrap(), &bytes_of(ks[2]));
+    assert_eq!(got[3].as_ref().unwrap(), &bytes_of(ks[3]));
+    assert_eq!(through_client.stats().direct_reads_total, 0);
+    assert_eq!(through_client.stats().corrupt_total, 2);
+    let got = read_back(&remote, NS, &ks[2..]);
+    assert!(
+        got.iter()
+            .zip(&ks[2..])
+            .all(|(g, k)| g.as_ref().unwrap() == &bytes_of(*k))
+    );
+    assert_eq!(remote.stats().direct_reads_total, direct + 10);
 
     // Clear by namespace removes this namespace's blocks and nothing else.
     let other_keys = keys(3, 99);
@@ -236,6 +272,12 @@ fn wrong_credentials_are_an_error_at_start_and_right_ones_connect() {
     let ks = keys(2, 5);
     publish(&remote, &h, NS, &ks);
     assert_eq!(remote.match_run(NS, &ks), 2);
+    // Direct reads sign in with the same credentials.
+    wait_for_slot_map(&remote);
+    for (k, got) in ks.iter().zip(read_back(&remote, NS, &ks)) {
+        assert_eq!(got.unwrap(), bytes_of(*k), "block {k}");
+    }
+    assert_eq!(remote.stats().direct_reads_total, 2);
 }
 
 /// Sends SIGCONT to the stopped node when dropped, whatever the test did meanwhile.

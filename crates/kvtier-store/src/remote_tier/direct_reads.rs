@@ -1,0 +1,490 @@
+//! Block reads straight off the socket of the master that owns the key: the value's header is
+//! checked as it arrives and its payload is hashed and copied into the host page piece by
+//! piece out of the connection's read buffer.
+//!
+//! Why: the cluster client hands a GET's value over as a fresh `Vec` (a copy out of its read
+//! buffer into new memory, page faults included, for a value that is then copied once more
+//! into the page). Read here, a block costs the kernel's copy into a reused buffer and the one
+//! pass that hashes and writes the page.
+//!
+//! Everything the cluster client is there for stays with it: the slot map comes from it
+//! (`CLUSTER SLOTS`), and whatever this path cannot read plainly is handed back to it as
+//! [`Direct::Fallback`]: no route known, a node that does not answer, a redirection (`MOVED`,
+//! `ASK`), any error reply, a broken connection. TLS clusters are read through the cluster
+//! client only.
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use kvtier_core::{BlockKey, NamespaceFingerprint, Secret, Xxh3Stream};
+use redis::cluster_async::ClusterConnection;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+use super::lock;
+use crate::PageWriter;
+use crate::remote_value::{REMOTE_HEADER_BYTES, verify_header_bytes};
+
+/// Hash slots of a Redis Cluster.
+const SLOT_COUNT: u16 = 16384;
+
+/// Each connection's read buffer: a payload is hashed and copied into its page out of it, a
+/// piece at a time, while the piece is in cache.
+const READ_BUFFER_BYTES: usize = 256 << 10;
+
+/// Least time between two loads of the slot map (a map that does not load, or keeps turning
+/// out wrong, costs one `CLUSTER SLOTS` per interval, not one per read).
+const REFRESH_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Longest reply line read (a bulk length or an error); a longer one breaks the connection.
+const MAX_LINE_BYTES: usize = 4096;
+
+/// What a direct read found.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Direct {
+    /// The page holds the block: header and payload verified.
+    Copied,
+    /// No such key on the master that owns it.
+    Absent,
+    /// A value that does not verify (what did not).
+    Corrupt(&'static str),
+    /// Not read here: ask the cluster client.
+    Fallback,
+}
+
+/// One node's connection and its read buffer.
+type NodeConn = BufReader<TcpStream>;
+
+/// A slot range and the master that serves it, `host:port`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct SlotRange {
+    first: u16,
+    last: u16,
+    addr: String,
+}
+
+/// Direct reads: the slot map, idle connections per master, and the masters that failed
+/// lately.
+pub(super) struct DirectReads {
+    username: Option<String>,
+    password: Option<Secret>,
+    connect_timeout: Duration,
+    /// How long a master that failed is left to the cluster client.
+    retry: Duration,
+    /// Sorted by `first`; `None` until the first `CLUSTER SLOTS`, and again once a read found
+    /// the map wrong (every read goes to the cluster client until it is refreshed).
+    routes: RwLock<Option<Arc<Vec<SlotRange>>>>,
+    refreshing: AtomicBool,
+    /// When the slot map was last asked for.
+    last_refresh: Mutex<Option<Instant>>,
+    idle: Mutex<HashMap<String, Vec<NodeConn>>>,
+    /// Idle connections kept per master (the tier's read concurrency).
+    max_idle: usize,
+    down: Mutex<HashMap<String, Instant>>,
+}
+
+impl std::fmt::Debug for DirectReads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirectReads").finish_non_exhaustive()
+    }
+}
+
+impl DirectReads {
+    pub(super) fn new(
+        username: Option<String>,
+        password: Option<Secret>,
+        connect_timeout: Duration,
+        retry: Duration,
+        max_idle: usize,
+    ) -> Self {
+        Self {
+            username,
+            password,
+            connect_timeout,
+            retry,
+            routes: RwLock::new(None),
+            refreshing: AtomicBool::new(false),
+            last_refresh: Mutex::new(None),
+            idle: Mutex::new(HashMap::new()),
+            max_idle,
+            down: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Loads the slot map from the cluster, unless a load is under way or the last one began
+    /// less than [`REFRESH_INTERVAL`] ago.
+    pub(super) async fn refresh(self: Arc<Self>, mut cluster: ClusterConnection) {
+        if self.refreshing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        {
+            let mut last = lock(&self.last_refresh);
+            if last.is_some_and(|t| t.elapsed() < REFRESH_INTERVAL) {
+                self.refreshing.store(false, Ordering::Release);
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let got = redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query_async::<redis::Value>(&mut cluster)
+            .await;
+        match got {
+            Ok(v) => match parse_slots(&v) {
+                Some(map) => *self.routes.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(map)),
+                None => tracing::debug!(
+                    "remote tier: CLUSTER SLOTS gave no usable map; reads use the cluster client"
+                ),
+            },
+            Err(e) => {
+                tracing::debug!(error = %e, "remote tier: CLUSTER SLOTS failed; reads use the cluster client")
+            }
+        }
+        self.refreshing.store(false, Ordering::Release);
+    }
+
+    /// Whether the slot map is missing (never loaded, or dropped by a read that found it
+    /// wrong).
+    pub(super) fn needs_refresh(&self) -> bool {
+        self.routes.read().unwrap_or_else(|e| e.into_inner()).is_none()
+    }
+
+    /// Reads value `name` (block `key` of `ns`, a payload of `len` bytes) into `writer`'s page.
+    /// [`Direct::Fallback`] when it cannot: the caller asks the cluster client. Bounded by the
+    /// caller's deadline (dropping the future drops the connection).
+    pub(super) async fn read(
+        &self,
+        name: &str,
+        ns: NamespaceFingerprint,
+        key: BlockKey,
+        len: usize,
+        writer: &PageWriter,
+    ) -> Direct {
+        let Some(addr) = self.master_of(name.as_bytes()) else {
+            return Direct::Fallback;
+        };
+        if self.is_down(&addr) {
+            return Direct::Fallback;
+        }
+        let pooled = lock(&self.idle).get_mut(&addr).and_then(Vec::pop);
+        let mut conn = match pooled {
+            Some(c) => c,
+            None => match self.connect(&addr).await {
+                Ok(c) => c,
+                Err(e) => {
+                    self.failed(&addr, &e);
+                    return Direct::Fallback;
+                }
+            },
+        };
+        match read_value(&mut conn, name, ns, key, len, writer).await {
+            Ok(Reply::Read(d)) => {
+                self.put_back(addr, conn);
+                d
+            }
+            // An error reply: the map is wrong (MOVED, ASK) or the node cannot serve
+            // (LOADING, CLUSTERDOWN, …); the cluster client knows what to do with it.
+            Ok(Reply::Error) => {
+                self.put_back(addr, conn);
+                self.drop_routes();
+                Direct::Fallback
+            }
+            // The rest of the value is left unread: the connection goes.
+            Ok(Reply::Unread(d)) => d,
+            Err(e) => {
+                self.failed(&addr, &e);
+                Direct::Fallback
+            }
+        }
+    }
+
+    fn master_of(&self, name: &[u8]) -> Option<String> {
+        let routes = self.routes.read().unwrap_or_else(|e| e.into_inner()).clone()?;
+        let slot = key_slot(name);
+        let i = routes.partition_point(|r| r.first <= slot).checked_sub(1)?;
+        let r = &routes[i];
+        (slot <= r.last).then(|| r.addr.clone())
+    }
+
+    fn is_down(&self, addr: &str) -> bool {
+        let mut down = lock(&self.down);
+        match down.get(addr) {
+            Some(until) if *until > Instant::now() => true,
+            Some(_) => {
+                down.remove(addr);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// A connection to `addr` failed: it and the slot map are dropped, and the master is
+    /// left to the cluster client for `retry`.
+    fn failed(&self, addr: &str, e: &io::Error) {
+        tracing::debug!(addr, error = %e, "remote tier: direct read failed; using the cluster client");
+        lock(&self.down).insert(addr.to_string(), Instant::now() + self.retry);
+        lock(&self.idle).remove(addr);
+        self.drop_routes();
+    }
+
+    fn drop_routes(&self) {
+        *self.routes.write().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    fn put_back(&self, addr: String, conn: NodeConn) {
+        let mut idle = lock(&self.idle);
+        let list = idle.entry(addr).or_default();
+        if list.len() < self.max_idle {
+            list.push(conn);
+        }
+    }
+
+    async fn connect(&self, addr: &str) -> io::Result<NodeConn> {
+        let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
+        stream.set_nodelay(true)?;
+        let mut conn = BufReader::with_capacity(READ_BUFFER_BYTES, stream);
+        if let Some(password) = &self.password {
+            let mut args = vec!["AUTH"];
+            args.extend(self.username.as_deref());
+            args.push(password.expose());
+            conn.get_mut().write_all(&command(&args)).await?;
+            let mut line = Vec::new();
+            read_line(&mut conn, &mut line).await?;
+            if !line.starts_with(b"+OK") {
+                return Err(io::Error::new(io::ErrorKind::PermissionDenied, "AUTH refused"));
+            }
+        }
+        Ok(conn)
+    }
+}
+
+/// How a GET's reply ended.
+enum Reply {
+    /// Read to its end; the connection can be used again.
+    Read(Direct),
+    /// An error reply, read to its end.
+    Error,
+    /// Given up before its end (a value that does not verify).
+    Unread(Direct),
+}
+
+/// Sends `GET name` and reads the reply, a value straight into `writer`'s page.
+async fn read_value(
+    conn: &mut NodeConn,
+    name: &str,
+    ns: NamespaceFingerprint,
+    key: BlockKey,
+    len: usize,
+    writer: &PageWriter,
+) -> io::Result<Reply> {
+    conn.get_mut().write_all(&command(&["GET", name])).await?;
+    let mut line = Vec::with_capacity(32);
+    read_line(conn, &mut line).await?;
+    match line.split_first() {
+        Some((b'-', _)) => return Ok(Reply::Error),
+        Some((b'$', n)) if n == b"-1" => return Ok(Reply::Read(Direct::Absent)),
+        Some((b'$', _)) => {}
+        _ => return Err(bad_reply("a GET reply that is neither a value nor an error")),
+    }
+    let n: usize = std::str::from_utf8(&line[1..])
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad_reply("a bad bulk length"))?;
+    let Some(payload_len) = n.checked_sub(REMOTE_HEADER_BYTES) else {
+        return Ok(Reply::Unread(Direct::Corrupt("shorter than a header")));
+    };
+    let mut header = [0u8; REMOTE_HEADER_BYTES];
+    conn.read_exact(&mut header).await?;
+    let digest = match verify_header_bytes(&header, payload_len, ns, key, len) {
+        Ok(d) => d,
+        Err(reason) => return Ok(Reply::Unread(Direct::Corrupt(reason))),
+    };
+    let page = |e: crate::StoreError| io::Error::other(e.to_string());
+    let (offset, _) = writer.layer_range(0).map_err(page)?;
+    let mut hash = Xxh3Stream::new();
+    let mut done = 0;
+    while done < len {
+        let piece = conn.fill_buf().await?;
+        if piece.is_empty() {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        let take = piece.len().min(len - done);
+        hash.update(&piece[..take]);
+        writer
+            .region()
+            .write(offset + done, &piece[..take])
+            .map_err(page)?;
+        conn.consume(take);
+        done += take;
+    }
+    let mut end = [0u8; 2];
+    conn.read_exact(&mut end).await?;
+    if &end != b"\r\n" {
+        return Err(bad_reply("a value not followed by CRLF"));
+    }
+    Ok(Reply::Read(if hash.digest() == digest {
+        Direct::Copied
+    } else {
+        Direct::Corrupt("payload checksum")
+    }))
+}
+
+fn bad_reply(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("{what} from the node"))
+}
+
+/// One reply line without its CRLF into `line`.
+async fn read_line(conn: &mut NodeConn, line: &mut Vec<u8>) -> io::Result<()> {
+    line.clear();
+    loop {
+        let buf = conn.fill_buf().await?;
+        if buf.is_empty() {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        match buf.iter().position(|&b| b == b'\n') {
+            Some(i) => {
+                line.extend_from_slice(&buf[..i]);
+                conn.consume(i + 1);
+                if line.pop() != Some(b'\r') {
+                    return Err(bad_reply("a line not ended by CRLF"));
+                }
+                return Ok(());
+            }
+            None => {
+                line.extend_from_slice(buf);
+                let n = buf.len();
+                conn.consume(n);
+            }
+        }
+        if line.len() > MAX_LINE_BYTES {
+            return Err(bad_reply("a reply line too long"));
+        }
+    }
+}
+
+/// A command as RESP: an array of bulk strings.
+fn command(args: &[&str]) -> Vec<u8> {
+    let mut out = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        out.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        out.extend_from_slice(a.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out
+}
+
+/// The hash slot of a key: CRC16 (XMODEM) of the key, or of its hash tag (the bytes between
+/// the first `{` and the next `}`, when not empty), modulo 16384.
+fn key_slot(key: &[u8]) -> u16 {
+    let tagged = key.iter().position(|&b| b == b'{').and_then(|open| {
+        let rest = &key[open + 1..];
+        let close = rest.iter().position(|&b| b == b'}')?;
+        (close > 0).then(|| &rest[..close])
+    });
+    crc16_xmodem(tagged.unwrap_or(key)) % SLOT_COUNT
+}
+
+fn crc16_xmodem(data: &[u8]) -> u16 {
+    let mut crc = 0u16;
+    for &b in data {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+/// The masters of a `CLUSTER SLOTS` reply, sorted by slot; `None` if it is not one, or names
+/// a master without an address this client can dial.
+fn parse_slots(v: &redis::Value) -> Option<Vec<SlotRange>> {
+    use redis::Value;
+    let int = |v: &Value| match v {
+        Value::Int(i) => u16::try_from(*i).ok(),
+        _ => None,
+    };
+    let text = |v: &Value| match v {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    };
+    let Value::Array(entries) = v else { return None };
+    let mut out = Vec::with_capacity(entries.len());
+    for e in entries {
+        let Value::Array(e) = e else { return None };
+        let (first, last) = (int(e.first()?)?, int(e.get(1)?)?);
+        let Value::Array(master) = e.get(2)? else {
+            return None;
+        };
+        let (host, port) = (text(master.first()?)?, int(master.get(1)?)?);
+        if host.is_empty() || host == "?" || first > last || last >= SLOT_COUNT {
+            return None;
+        }
+        let addr = if host.contains(':') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        };
+        out.push(SlotRange { first, last, addr });
+    }
+    out.sort_by_key(|r| r.first);
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_match_redis_for_known_keys_and_hash_tags() {
+        // Values from `CLUSTER KEYSLOT` of a real server.
+        assert_eq!(key_slot(b"foo"), 12182);
+        assert_eq!(key_slot(b"bar"), 5061);
+        assert_eq!(key_slot(b"123456789"), 12739);
+        assert_eq!(key_slot(b"{user1000}.following"), key_slot(b"user1000"));
+        assert_eq!(key_slot(b"foo{}{bar}"), key_slot(b"foo{}{bar}"));
+        assert_ne!(key_slot(b"foo{}{bar}"), key_slot(b"bar"));
+        assert_eq!(key_slot(b"foo{{bar}}zap"), key_slot(b"{bar"));
+    }
+
+    #[test]
+    fn a_slots_reply_becomes_sorted_ranges_and_a_bad_one_none() {
+        use redis::Value;
+        let node = |h: &str, p: i64| Value::Array(vec![Value::BulkString(h.into()), Value::Int(p)]);
+        let range = |a: i64, b: i64, n: Value| Value::Array(vec![Value::Int(a), Value::Int(b), n]);
+        let v = Value::Array(vec![
+            range(5461, 16383, node("127.0.0.1", 7001)),
+            range(0, 5460, node("::1", 7000)),
+        ]);
+        let map = parse_slots(&v).unwrap();
+        assert_eq!(
+            map[0],
+            SlotRange {
+                first: 0,
+                last: 5460,
+                addr: "[::1]:7000".into()
+            }
+        );
+        assert_eq!(map[1].addr, "127.0.0.1:7001");
+        assert_eq!(
+            parse_slots(&Value::Array(vec![range(0, 16384, node("h", 1))])),
+            None
+        );
+        assert_eq!(parse_slots(&Value::Array(vec![range(0, 10, node("", 1))])), None);
+        assert_eq!(parse_slots(&Value::Int(1)), None);
+    }
+
+    #[test]
+    fn commands_are_resp_arrays() {
+        assert_eq!(command(&["GET", "k"]), b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n");
+    }
+}
