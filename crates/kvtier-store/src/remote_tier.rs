@@ -34,7 +34,7 @@ use crate::remote_value::{encode_header, remote_key, remote_key_pattern, verify_
 use crate::{PageWriter, PinnedPage, StoreError, WritePolicy};
 
 mod direct_reads;
-use direct_reads::{Direct, DirectReads};
+use direct_reads::{Direct, DirectConfig, DirectReads};
 
 /// Configuration of the remote tier (plain data; defaults documented per field).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -436,13 +436,14 @@ impl RemoteTier {
             reads: Arc::new(Semaphore::new(config.read_concurrency)),
             writes: Arc::new(Semaphore::new(config.write_concurrency)),
             direct: (!config.tls).then(|| {
-                Arc::new(DirectReads::new(
-                    config.username.clone(),
-                    config.password.clone(),
-                    Duration::from_millis(config.connect_timeout_ms),
-                    Duration::from_millis(config.retry_ms),
-                    config.read_concurrency,
-                ))
+                Arc::new(DirectReads::new(DirectConfig {
+                    username: config.username.clone(),
+                    password: config.password.clone(),
+                    connect_timeout: Duration::from_millis(config.connect_timeout_ms),
+                    timeout: Duration::from_millis(config.timeout_ms),
+                    retry: Duration::from_millis(config.retry_ms),
+                    max_idle: config.read_concurrency,
+                }))
             }),
             pending: Mutex::new(0),
             write_window: Mutex::new(None),

@@ -98,6 +98,11 @@ impl TestCluster {
         Self::cli_at(port, args)
     }
 
+    /// `redis-cli -p port args…` against one node.
+    pub fn cli_on(&self, port: u16, args: &[&str]) -> String {
+        Self::cli_at(&port.to_string(), args)
+    }
+
     fn cli_at(port: &str, args: &[&str]) -> String {
         let out = Command::new("redis-cli")
             .args(["-c", "-p", port])

@@ -9,13 +9,14 @@
 //!
 //! Everything the cluster client is there for stays with it: the slot map comes from it
 //! (`CLUSTER SLOTS`), and whatever this path cannot read plainly is handed back to it as
-//! [`Direct::Fallback`]: no route known, a node that does not answer, a redirection (`MOVED`,
-//! `ASK`), any error reply, a broken connection. TLS clusters are read through the cluster
-//! client only.
+//! [`Direct::Fallback`], under the same deadline: no route known, a master that does not
+//! answer within half the deadline or whose connection breaks (it is then left to the cluster
+//! client for `retry_ms`), a redirection (`MOVED` also drops the slot map until it is loaded
+//! again), any other error reply. TLS clusters are read through the cluster client only.
 
 use std::collections::HashMap;
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -38,6 +39,12 @@ const READ_BUFFER_BYTES: usize = 256 << 10;
 /// Least time between two loads of the slot map (a map that does not load, or keeps turning
 /// out wrong, costs one `CLUSTER SLOTS` per interval, not one per read).
 const REFRESH_INTERVAL: Duration = Duration::from_millis(100);
+
+/// The name of every direct-read connection (`CLIENT LIST` shows it).
+pub(super) const CONNECTION_NAME: &str = "kvtier-direct-read";
+
+/// Idle connections older than this are closed rather than used.
+const MAX_IDLE_TIME: Duration = Duration::from_secs(30);
 
 /// Longest reply line read (a bulk length or an error); a longer one breaks the connection.
 const MAX_LINE_BYTES: usize = 4096;
@@ -72,15 +79,22 @@ pub(super) struct DirectReads {
     username: Option<String>,
     password: Option<Secret>,
     connect_timeout: Duration,
+    /// A direct read's own deadline (half the tier's `timeout_ms`): a master that does not
+    /// answer within it is left to the cluster client, which gets the rest of the deadline.
+    budget: Duration,
     /// How long a master that failed is left to the cluster client.
     retry: Duration,
     /// Sorted by `first`; `None` until the first `CLUSTER SLOTS`, and again once a read found
     /// the map wrong (every read goes to the cluster client until it is refreshed).
     routes: RwLock<Option<Arc<Vec<SlotRange>>>>,
+    /// Bumped each time the map is dropped, so a load that began before cannot put the old
+    /// map back.
+    generation: AtomicU64,
     refreshing: AtomicBool,
     /// When the slot map was last asked for.
     last_refresh: Mutex<Option<Instant>>,
-    idle: Mutex<HashMap<String, Vec<NodeConn>>>,
+    /// Idle connections per master and since when each is idle.
+    idle: Mutex<HashMap<String, Vec<(NodeConn, Instant)>>>,
     /// Idle connections kept per master (the tier's read concurrency).
     max_idle: usize,
     down: Mutex<HashMap<String, Instant>>,
@@ -92,24 +106,33 @@ impl std::fmt::Debug for DirectReads {
     }
 }
 
+/// How the tier reaches the masters directly.
+pub(super) struct DirectConfig {
+    pub username: Option<String>,
+    pub password: Option<Secret>,
+    pub connect_timeout: Duration,
+    /// The tier's deadline for one read; a direct read gets half of it.
+    pub timeout: Duration,
+    /// How long a master that failed is left to the cluster client.
+    pub retry: Duration,
+    /// Idle connections kept per master.
+    pub max_idle: usize,
+}
+
 impl DirectReads {
-    pub(super) fn new(
-        username: Option<String>,
-        password: Option<Secret>,
-        connect_timeout: Duration,
-        retry: Duration,
-        max_idle: usize,
-    ) -> Self {
+    pub(super) fn new(c: DirectConfig) -> Self {
         Self {
-            username,
-            password,
-            connect_timeout,
-            retry,
+            username: c.username,
+            password: c.password,
+            connect_timeout: c.connect_timeout,
+            budget: c.timeout / 2,
+            retry: c.retry,
             routes: RwLock::new(None),
+            generation: AtomicU64::new(0),
             refreshing: AtomicBool::new(false),
             last_refresh: Mutex::new(None),
             idle: Mutex::new(HashMap::new()),
-            max_idle,
+            max_idle: c.max_idle,
             down: Mutex::new(HashMap::new()),
         }
     }
@@ -128,15 +151,21 @@ impl DirectReads {
             }
             *last = Some(Instant::now());
         }
+        let generation = self.generation.load(Ordering::Acquire);
         let got = redis::cmd("CLUSTER")
             .arg("SLOTS")
             .query_async::<redis::Value>(&mut cluster)
             .await;
         match got {
             Ok(v) => match parse_slots(&v) {
-                Some(map) => *self.routes.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(map)),
+                Some(map) => {
+                    let mut routes = self.routes.write().unwrap_or_else(|e| e.into_inner());
+                    if self.generation.load(Ordering::Acquire) == generation {
+                        *routes = Some(Arc::new(map));
+                    }
+                }
                 None => tracing::debug!(
-                    "remote tier: CLUSTER SLOTS gave no usable map; reads use the cluster client"
+                    "remote tier: CLUSTER SLOTS is not a slot map; reads use the cluster client"
                 ),
             },
             Err(e) => {
@@ -153,8 +182,8 @@ impl DirectReads {
     }
 
     /// Reads value `name` (block `key` of `ns`, a payload of `len` bytes) into `writer`'s page.
-    /// [`Direct::Fallback`] when it cannot: the caller asks the cluster client. Bounded by the
-    /// caller's deadline (dropping the future drops the connection).
+    /// [`Direct::Fallback`] when it cannot (the caller asks the cluster client), at the latest
+    /// after half the tier's deadline.
     pub(super) async fn read(
         &self,
         name: &str,
@@ -169,34 +198,62 @@ impl DirectReads {
         if self.is_down(&addr) {
             return Direct::Fallback;
         }
-        let pooled = lock(&self.idle).get_mut(&addr).and_then(Vec::pop);
-        let mut conn = match pooled {
-            Some(c) => c,
-            None => match self.connect(&addr).await {
-                Ok(c) => c,
-                Err(e) => {
-                    self.failed(&addr, &e);
-                    return Direct::Fallback;
-                }
-            },
-        };
-        match read_value(&mut conn, name, ns, key, len, writer).await {
-            Ok(Reply::Read(d)) => {
-                self.put_back(addr, conn);
-                d
-            }
-            // An error reply: the map is wrong (MOVED, ASK) or the node cannot serve
-            // (LOADING, CLUSTERDOWN, …); the cluster client knows what to do with it.
-            Ok(Reply::Error) => {
-                self.put_back(addr, conn);
-                self.drop_routes();
-                Direct::Fallback
-            }
-            // The rest of the value is left unread: the connection goes.
-            Ok(Reply::Unread(d)) => d,
-            Err(e) => {
+        let read = self.read_from(&addr, name, ns, key, len, writer);
+        match tokio::time::timeout(self.budget, read).await {
+            Ok(Ok(d)) => d,
+            Ok(Err(e)) => {
                 self.failed(&addr, &e);
                 Direct::Fallback
+            }
+            // The connection went with the dropped future.
+            Err(_) => {
+                let e = io::Error::new(io::ErrorKind::TimedOut, "no answer within half the read deadline");
+                self.failed(&addr, &e);
+                Direct::Fallback
+            }
+        }
+    }
+
+    /// [`DirectReads::read`] from master `addr`: on an idle connection if there is one (and
+    /// once more on a new one if that fails: the master may have closed it), else on a new
+    /// one. `Err` when the master cannot be read.
+    async fn read_from(
+        &self,
+        addr: &str,
+        name: &str,
+        ns: NamespaceFingerprint,
+        key: BlockKey,
+        len: usize,
+        writer: &PageWriter,
+    ) -> io::Result<Direct> {
+        let mut pooled = self.take_idle(addr);
+        loop {
+            let was_pooled = pooled.is_some();
+            let mut conn = match pooled.take() {
+                Some(c) => c,
+                None => self.connect(addr).await?,
+            };
+            match read_value(&mut conn, name, ns, key, len, writer).await {
+                Ok(Reply::Read(d)) => {
+                    self.put_back(addr, conn);
+                    return Ok(d);
+                }
+                // The key lives elsewhere now: the map is wrong.
+                Ok(Reply::Moved) => {
+                    self.put_back(addr, conn);
+                    self.drop_routes();
+                    return Ok(Direct::Fallback);
+                }
+                // ASK (a slot being migrated), LOADING, CLUSTERDOWN, …: the cluster client
+                // knows what to do with it.
+                Ok(Reply::Error) => {
+                    self.put_back(addr, conn);
+                    return Ok(Direct::Fallback);
+                }
+                // The rest of the value is left unread: the connection goes.
+                Ok(Reply::Unread(d)) => return Ok(d),
+                Err(_) if was_pooled => continue,
+                Err(e) => return Err(e),
             }
         }
     }
@@ -221,8 +278,8 @@ impl DirectReads {
         }
     }
 
-    /// A connection to `addr` failed: it and the slot map are dropped, and the master is
-    /// left to the cluster client for `retry`.
+    /// Reading `addr` failed: its idle connections and the slot map are dropped, and the
+    /// master is left to the cluster client for `retry`.
     fn failed(&self, addr: &str, e: &io::Error) {
         tracing::debug!(addr, error = %e, "remote tier: direct read failed; using the cluster client");
         lock(&self.down).insert(addr.to_string(), Instant::now() + self.retry);
@@ -231,14 +288,25 @@ impl DirectReads {
     }
 
     fn drop_routes(&self) {
-        *self.routes.write().unwrap_or_else(|e| e.into_inner()) = None;
+        let mut routes = self.routes.write().unwrap_or_else(|e| e.into_inner());
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        *routes = None;
     }
 
-    fn put_back(&self, addr: String, conn: NodeConn) {
+    /// The most recently used idle connection to `addr`; those idle longer than
+    /// [`MAX_IDLE_TIME`] are closed (something on the way may have dropped them).
+    fn take_idle(&self, addr: &str) -> Option<NodeConn> {
         let mut idle = lock(&self.idle);
-        let list = idle.entry(addr).or_default();
+        let list = idle.get_mut(addr)?;
+        list.retain(|(_, since)| since.elapsed() < MAX_IDLE_TIME);
+        list.pop().map(|(c, _)| c)
+    }
+
+    fn put_back(&self, addr: &str, conn: NodeConn) {
+        let mut idle = lock(&self.idle);
+        let list = idle.entry(addr.to_string()).or_default();
         if list.len() < self.max_idle {
-            list.push(conn);
+            list.push((conn, Instant::now()));
         }
     }
 
@@ -248,16 +316,24 @@ impl DirectReads {
             .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
         stream.set_nodelay(true)?;
         let mut conn = BufReader::with_capacity(READ_BUFFER_BYTES, stream);
+        let mut line = Vec::new();
         if let Some(password) = &self.password {
             let mut args = vec!["AUTH"];
             args.extend(self.username.as_deref());
             args.push(password.expose());
             conn.get_mut().write_all(&command(&args)).await?;
-            let mut line = Vec::new();
             read_line(&mut conn, &mut line).await?;
             if !line.starts_with(b"+OK") {
                 return Err(io::Error::new(io::ErrorKind::PermissionDenied, "AUTH refused"));
             }
+        }
+        // Named, so `CLIENT LIST` on a master tells kvtier's read connections apart.
+        conn.get_mut()
+            .write_all(&command(&["CLIENT", "SETNAME", CONNECTION_NAME]))
+            .await?;
+        read_line(&mut conn, &mut line).await?;
+        if !line.starts_with(b"+OK") {
+            return Err(bad_reply("a CLIENT SETNAME refused"));
         }
         Ok(conn)
     }
@@ -267,9 +343,12 @@ impl DirectReads {
 enum Reply {
     /// Read to its end; the connection can be used again.
     Read(Direct),
-    /// An error reply, read to its end.
+    /// A `MOVED` redirection, read to its end.
+    Moved,
+    /// Another error reply, read to its end.
     Error,
-    /// Given up before its end (a value that does not verify).
+    /// Given up before its end (a value that does not verify, or a host page that could not
+    /// be written).
     Unread(Direct),
 }
 
@@ -286,6 +365,7 @@ async fn read_value(
     let mut line = Vec::with_capacity(32);
     read_line(conn, &mut line).await?;
     match line.split_first() {
+        Some((b'-', e)) if e.starts_with(b"MOVED ") => return Ok(Reply::Moved),
         Some((b'-', _)) => return Ok(Reply::Error),
         Some((b'$', n)) if n == b"-1" => return Ok(Reply::Read(Direct::Absent)),
         Some((b'$', _)) => {}
@@ -304,8 +384,11 @@ async fn read_value(
         Ok(d) => d,
         Err(reason) => return Ok(Reply::Unread(Direct::Corrupt(reason))),
     };
-    let page = |e: crate::StoreError| io::Error::other(e.to_string());
-    let (offset, _) = writer.layer_range(0).map_err(page)?;
+    // A page that cannot be written is not the master's fault: the cluster client's read
+    // will find the same and report it.
+    let Ok((offset, _)) = writer.layer_range(0) else {
+        return Ok(Reply::Unread(Direct::Fallback));
+    };
     let mut hash = Xxh3Stream::new();
     let mut done = 0;
     while done < len {
@@ -315,10 +398,9 @@ async fn read_value(
         }
         let take = piece.len().min(len - done);
         hash.update(&piece[..take]);
-        writer
-            .region()
-            .write(offset + done, &piece[..take])
-            .map_err(page)?;
+        if writer.region().write(offset + done, &piece[..take]).is_err() {
+            return Ok(Reply::Unread(Direct::Fallback));
+        }
         conn.consume(take);
         done += take;
     }
@@ -404,8 +486,9 @@ fn crc16_xmodem(data: &[u8]) -> u16 {
     crc
 }
 
-/// The masters of a `CLUSTER SLOTS` reply, sorted by slot; `None` if it is not one, or names
-/// a master without an address this client can dial.
+/// The masters of a `CLUSTER SLOTS` reply, sorted by slot; `None` if it is not one. A range
+/// whose master has no address this client can dial (none, `?`, a wildcard) is left out: its
+/// keys are read through the cluster client.
 fn parse_slots(v: &redis::Value) -> Option<Vec<SlotRange>> {
     use redis::Value;
     let int = |v: &Value| match v {
@@ -425,9 +508,19 @@ fn parse_slots(v: &redis::Value) -> Option<Vec<SlotRange>> {
         let Value::Array(master) = e.get(2)? else {
             return None;
         };
-        let (host, port) = (text(master.first()?)?, int(master.get(1)?)?);
-        if host.is_empty() || host == "?" || first > last || last >= SLOT_COUNT {
+        if first > last || last >= SLOT_COUNT {
             return None;
+        }
+        let (Some(host), port) = (master.first().and_then(text), int(master.get(1)?)?) else {
+            continue;
+        };
+        if host.is_empty()
+            || host == "?"
+            || host
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_unspecified())
+        {
+            continue;
         }
         let addr = if host.contains(':') {
             format!("[{host}]:{port}")
@@ -451,8 +544,7 @@ mod tests {
         assert_eq!(key_slot(b"bar"), 5061);
         assert_eq!(key_slot(b"123456789"), 12739);
         assert_eq!(key_slot(b"{user1000}.following"), key_slot(b"user1000"));
-        assert_eq!(key_slot(b"foo{}{bar}"), key_slot(b"foo{}{bar}"));
-        assert_ne!(key_slot(b"foo{}{bar}"), key_slot(b"bar"));
+        assert_eq!(key_slot(b"foo{}{bar}"), crc16_xmodem(b"foo{}{bar}") % SLOT_COUNT);
         assert_eq!(key_slot(b"foo{{bar}}zap"), key_slot(b"{bar"));
     }
 
@@ -479,7 +571,19 @@ mod tests {
             parse_slots(&Value::Array(vec![range(0, 16384, node("h", 1))])),
             None
         );
-        assert_eq!(parse_slots(&Value::Array(vec![range(0, 10, node("", 1))])), None);
+        // Masters without a usable address are left out, the rest kept.
+        let v = Value::Array(vec![
+            range(0, 10, node("", 1)),
+            range(11, 20, node("0.0.0.0", 2)),
+            range(21, 30, Value::Array(vec![Value::Nil, Value::Int(3)])),
+            range(31, 16383, node("10.0.0.1", 4)),
+        ]);
+        let kept = SlotRange {
+            first: 31,
+            last: 16383,
+            addr: "10.0.0.1:4".into(),
+        };
+        assert_eq!(parse_slots(&v).unwrap(), vec![kept]);
         assert_eq!(parse_slots(&Value::Int(1)), None);
     }
 

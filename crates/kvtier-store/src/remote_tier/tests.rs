@@ -140,6 +140,27 @@ fn blocks_round_trip_bit_exact_and_every_fault_is_a_counted_miss() {
         assert_eq!(got.unwrap(), bytes_of(*k), "block {k}");
     }
     assert_eq!(remote.stats().direct_reads_total, direct + 12);
+
+    // Masters that closed the tier's idle connections: each read reconnects and still reads
+    // directly, and no master is given up on.
+    let mut killed = 0;
+    for n in cluster.nodes() {
+        let port: u16 = n.rsplit_once(':').unwrap().1.parse().unwrap();
+        let name = format!("name={}", direct_reads::CONNECTION_NAME);
+        for line in cluster.cli_on(port, &["CLIENT", "LIST"]).lines() {
+            if line.split(' ').any(|f| f == name) {
+                let id = line.split(' ').find_map(|f| f.strip_prefix("id=")).unwrap();
+                cluster.cli_on(port, &["CLIENT", "KILL", "ID", id]);
+                killed += 1;
+            }
+        }
+    }
+    assert!(killed > 0, "no direct-read connection listed by the masters");
+    for (k, got) in ks.iter().zip(read_back(&remote, NS, &ks)) {
+        assert_eq!(got.unwrap(), bytes_of(*k), "block {k} after the kill");
+    }
+    assert_eq!(remote.stats().direct_reads_total, direct + 24);
+    assert!(!remote.stats().skipping);
     assert!(matches!(
         read_back(&remote, OTHER, &ks[..1]).pop().unwrap(),
         Err(StoreError::NotFound { tier: "remote", .. })
