@@ -45,6 +45,10 @@ pub const CORRUPT_BLOCKS: &str = "kvtier_corrupt_blocks_total";
 pub const DROPPED_REMOTE_WRITES: &str = "kvtier_dropped_remote_writes_total";
 /// Remote-tier block reads, by `outcome` (hit, miss, corrupt, timeout, error).
 pub const REMOTE_READS: &str = "kvtier_remote_reads_total";
+/// Remote-tier block reads answered straight off the owning master's socket (the rest of
+/// `kvtier_remote_reads_total` went through the cluster client: TLS, a redirection, a master
+/// that failed).
+pub const REMOTE_DIRECT_READS: &str = "kvtier_remote_direct_reads_total";
 /// Blocks waiting for their remote-tier write (each holds its host page pinned).
 pub const REMOTE_PENDING_WRITES: &str = "kvtier_remote_pending_write_blocks";
 /// 1 while the remote tier's cluster is connected, 0 while it is not (or there is none).
@@ -90,6 +94,7 @@ pub const ALL: &[&str] = &[
     CORRUPT_BLOCKS,
     DROPPED_REMOTE_WRITES,
     REMOTE_READS,
+    REMOTE_DIRECT_READS,
     REMOTE_PENDING_WRITES,
     REMOTE_CONNECTED,
     MISSING_BLOCKS,
@@ -162,6 +167,10 @@ pub fn describe() {
     describe_counter!(CORRUPT_BLOCKS, "Blocks found corrupt, by tier");
     describe_counter!(DROPPED_REMOTE_WRITES, "Remote-tier writes dropped, by reason");
     describe_counter!(REMOTE_READS, "Remote-tier block reads, by outcome");
+    describe_counter!(
+        REMOTE_DIRECT_READS,
+        "Remote-tier block reads answered straight off the owning master's socket"
+    );
     describe_gauge!(
         REMOTE_PENDING_WRITES,
         "Blocks waiting for their remote-tier write"
