@@ -49,6 +49,9 @@ pub const REMOTE_READS: &str = "kvtier_remote_reads_total";
 /// `kvtier_remote_reads_total` went through the cluster client: TLS, a redirection, a master
 /// that failed).
 pub const REMOTE_DIRECT_READS: &str = "kvtier_remote_direct_reads_total";
+/// Remote-tier blocks written straight from the host page to the owning master's socket (the
+/// rest of route `host_to_remote` went through the cluster client).
+pub const REMOTE_DIRECT_WRITES: &str = "kvtier_remote_direct_writes_total";
 /// Blocks waiting for their remote-tier write (each holds its host page pinned).
 pub const REMOTE_PENDING_WRITES: &str = "kvtier_remote_pending_write_blocks";
 /// 1 while the remote tier's cluster is connected, 0 while it is not (or there is none).
@@ -95,6 +98,7 @@ pub const ALL: &[&str] = &[
     DROPPED_REMOTE_WRITES,
     REMOTE_READS,
     REMOTE_DIRECT_READS,
+    REMOTE_DIRECT_WRITES,
     REMOTE_PENDING_WRITES,
     REMOTE_CONNECTED,
     MISSING_BLOCKS,
@@ -170,6 +174,10 @@ pub fn describe() {
     describe_counter!(
         REMOTE_DIRECT_READS,
         "Remote-tier block reads answered straight off the owning master's socket"
+    );
+    describe_counter!(
+        REMOTE_DIRECT_WRITES,
+        "Remote-tier blocks written straight from the host page to the owning master's socket"
     );
     describe_gauge!(
         REMOTE_PENDING_WRITES,

@@ -101,6 +101,7 @@ impl Snapshot {
             counter!(m::REMOTE_READS, "outcome" => outcome).absolute(n);
         }
         counter!(m::REMOTE_DIRECT_READS).absolute(r.direct_reads_total);
+        counter!(m::REMOTE_DIRECT_WRITES).absolute(r.direct_writes_total);
         counter!(m::CORRUPT_BLOCKS, "tier" => Tier::Remote.name()).absolute(r.corrupt_total);
         gauge!(m::REMOTE_PENDING_WRITES).set(r.pending_writes as f64);
         gauge!(m::REMOTE_CONNECTED).set(if r.connected { 1.0 } else { 0.0 });

@@ -30,11 +30,13 @@ use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
-use crate::remote_value::{encode_header, remote_key, remote_key_pattern, verify_header};
+use crate::remote_value::{
+    REMOTE_HEADER_BYTES, encode_header, remote_key, remote_key_pattern, verify_header,
+};
 use crate::{PageWriter, PinnedPage, StoreError, WritePolicy};
 
-mod direct_reads;
-use direct_reads::{Direct, DirectConfig, DirectReads};
+mod direct_io;
+use direct_io::{Command, Direct, DirectConfig, DirectIo};
 
 /// Configuration of the remote tier (plain data; defaults documented per field).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -215,6 +217,9 @@ pub struct RemoteTierStats {
     /// Reads answered straight off the owning master's socket (hit, miss or corrupt); the
     /// rest went through the cluster client (TLS, a redirection, a node that failed).
     pub direct_reads_total: u64,
+    /// Blocks written straight from the host page to the owning master's socket; the rest of
+    /// `written_blocks_total` went through the cluster client.
+    pub direct_writes_total: u64,
     /// Blocks written.
     pub written_blocks_total: u64,
     /// Payload bytes written.
@@ -250,6 +255,7 @@ struct Counters {
     read_errors: AtomicU64,
     read_bytes: AtomicU64,
     direct_reads: AtomicU64,
+    direct_writes: AtomicU64,
     written: AtomicU64,
     written_bytes: AtomicU64,
     write_busy_ns: AtomicU64,
@@ -283,7 +289,7 @@ struct Inner {
     writes: Arc<Semaphore>,
     /// Block reads off the masters' sockets (`None` with TLS: reads go through the cluster
     /// client).
-    direct: Option<Arc<DirectReads>>,
+    direct: Option<Arc<DirectIo>>,
     /// Blocks queued or being written, and its waiters ([`RemoteTier::flush`]).
     pending: Mutex<u64>,
     /// First start and last end of the writes that succeeded since the last
@@ -436,7 +442,7 @@ impl RemoteTier {
             reads: Arc::new(Semaphore::new(config.read_concurrency)),
             writes: Arc::new(Semaphore::new(config.write_concurrency)),
             direct: (!config.tls).then(|| {
-                Arc::new(DirectReads::new(DirectConfig {
+                Arc::new(DirectIo::new(DirectConfig {
                     username: config.username.clone(),
                     password: config.password.clone(),
                     connect_timeout: Duration::from_millis(config.connect_timeout_ms),
@@ -687,7 +693,7 @@ impl RemoteTier {
     }
 
     /// Reads value `name` into `writer`'s page: straight off the owning master's socket
-    /// ([`DirectReads`]) where it can, else a GET through the cluster client (verified into
+    /// ([`DirectIo`]) where it can, else a GET through the cluster client (verified into
     /// the page by [`RemoteTier::settle`]).
     async fn fetch(
         &self,
@@ -702,7 +708,14 @@ impl RemoteTier {
             if d.needs_refresh() {
                 self.inner.handle.spawn(Arc::clone(d).refresh(conn.clone()));
             }
-            let direct = match d.read(name, ns, key, len, writer).await {
+            let get = Command::Get {
+                name,
+                ns,
+                key,
+                len,
+                writer,
+            };
+            let direct = match d.run(get).await {
                 Direct::Copied => Fetched::Copied,
                 Direct::Absent => Fetched::Absent,
                 Direct::Corrupt(reason) => Fetched::Corrupt(reason),
@@ -803,15 +816,16 @@ impl RemoteTier {
     /// Queues the block of `page` (of `ns`) for writing and returns at once; the page stays
     /// pinned until it is written or dropped.
     ///
-    /// Cost: on the tier's runtime, one copy of the block into a value buffer (header +
-    /// payload), one xxh3 pass, one SET.
+    /// Cost: on the tier's runtime, one xxh3 pass over the page and one SET, its payload sent
+    /// straight from the page (`direct_io`); through the cluster client (TLS, a redirection,
+    /// a master that failed), one more copy of the block into the command's buffer.
     ///
     /// # Errors
     /// The reason it was dropped (also counted): [`DropReason::Unavailable`],
     /// [`DropReason::QueueFull`].
     pub fn write_behind(&self, ns: NamespaceFingerprint, page: PinnedPage) -> Result<(), DropReason> {
         let inner = &self.inner;
-        let Some(mut conn) = self.conn().filter(|_| self.available()) else {
+        let Some(conn) = self.conn().filter(|_| self.available()) else {
             return Err(self.dropped(DropReason::Unavailable));
         };
         {
@@ -832,29 +846,12 @@ impl RemoteTier {
                 Err(_) => Err(DropReason::Unavailable),
                 Ok(_permit) => {
                     let started = Instant::now();
-                    let cmd = set_command(&name, ns, &page, len);
-                    drop(page);
-                    match cmd {
-                        Err(e) => {
-                            tracing::warn!(error = %e, "remote write: reading the host page failed");
-                            Err(DropReason::Error)
-                        }
-                        Ok(cmd) => {
-                            let r = tokio::time::timeout(timeout, cmd.query_async::<()>(&mut conn)).await;
-                            let c = &tier.inner.counters;
-                            c.write_busy_ns
-                                .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                            match r {
-                                Ok(Ok(())) => Ok(started),
-                                Ok(Err(e)) if e.is_timeout() => Err(DropReason::Timeout),
-                                Ok(Err(e)) => {
-                                    tracing::debug!(error = %e, key = %name, "remote write failed");
-                                    Err(DropReason::Error)
-                                }
-                                Err(_) => Err(DropReason::Timeout),
-                            }
-                        }
-                    }
+                    let r = tokio::time::timeout(timeout, tier.write_one(conn, &name, ns, page, len)).await;
+                    let c = &tier.inner.counters;
+                    c.write_busy_ns
+                        .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    // The client's own response timeout is the same bound.
+                    r.unwrap_or(Err(DropReason::Timeout)).map(|()| started)
                 }
             };
             match outcome {
@@ -876,6 +873,50 @@ impl RemoteTier {
             tier.inner.settled.notify_all();
         });
         Ok(())
+    }
+
+    /// Writes the block of `page` as value `name`: straight from the page to the owning
+    /// master's socket ([`DirectIo`]) where it can, else a `SET` through the cluster client.
+    async fn write_one(
+        &self,
+        mut conn: ClusterConnection,
+        name: &str,
+        ns: NamespaceFingerprint,
+        page: PinnedPage,
+        len: usize,
+    ) -> Result<(), DropReason> {
+        if let Some(d) = &self.inner.direct
+            && let Ok((offset, header)) = value_header(ns, &page, len)
+        {
+            if d.needs_refresh() {
+                self.inner.handle.spawn(Arc::clone(d).refresh(conn.clone()));
+            }
+            let set = Command::Set {
+                name,
+                header: &header,
+                page: &page,
+                offset,
+                len,
+            };
+            if d.run(set).await == Direct::Copied {
+                self.inner.counters.direct_writes.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+        }
+        let cmd = set_command(name, ns, &page, len);
+        drop(page);
+        let cmd = cmd.map_err(|e| {
+            tracing::warn!(error = %e, "remote write: reading the host page failed");
+            DropReason::Error
+        })?;
+        match cmd.query_async::<()>(&mut conn).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.is_timeout() => Err(DropReason::Timeout),
+            Err(e) => {
+                tracing::debug!(error = %e, key = %name, "remote write failed");
+                Err(DropReason::Error)
+            }
+        }
     }
 
     /// When the writes that succeeded since the last call ran: the first one's start and
@@ -974,6 +1015,7 @@ impl RemoteTier {
             read_errors_total: r(&c.read_errors),
             read_bytes_total: r(&c.read_bytes),
             direct_reads_total: r(&c.direct_reads),
+            direct_writes_total: r(&c.direct_writes),
             written_blocks_total: r(&c.written),
             written_bytes_total: r(&c.written_bytes),
             write_busy_ns_total: r(&c.write_busy_ns),
@@ -1030,6 +1072,19 @@ fn set_command(
         })?;
     }
     Ok(cmd)
+}
+
+/// Where the block of `page` starts in its region, and its value header (one xxh3 pass over
+/// the page).
+fn value_header(
+    ns: NamespaceFingerprint,
+    page: &PinnedPage,
+    len: usize,
+) -> Result<(usize, [u8; REMOTE_HEADER_BYTES]), StoreError> {
+    let (offset, _) = page.layer_range(0)?;
+    // SAFETY: as in `set_command`: a pinned, published host page is written by no one.
+    let digest = unsafe { page.region().with_bytes(offset, len, kvtier_core::xxh3_64)? };
+    Ok((offset, encode_header(ns, page.key(), len as u64, digest)))
 }
 
 /// The masters that answer now, `(host, port)`.
@@ -1118,7 +1173,7 @@ enum FetchFailure {
 enum Fetched {
     /// A value through the cluster client, to verify.
     Value(Vec<u8>),
-    /// Read straight into the page and verified ([`DirectReads`]).
+    /// Read straight into the page and verified ([`DirectIo`]).
     Copied,
     /// Read straight off the socket but did not verify (what did not).
     Corrupt(&'static str),

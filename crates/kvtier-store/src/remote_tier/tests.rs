@@ -146,7 +146,7 @@ fn blocks_round_trip_bit_exact_and_every_fault_is_a_counted_miss() {
     let mut killed = 0;
     for n in cluster.nodes() {
         let port: u16 = n.rsplit_once(':').unwrap().1.parse().unwrap();
-        let name = format!("name={}", direct_reads::CONNECTION_NAME);
+        let name = format!("name={}", direct_io::CONNECTION_NAME);
         for line in cluster.cli_on(port, &["CLIENT", "LIST"]).lines() {
             if line.split(' ').any(|f| f == name) {
                 let id = line.split(' ').find_map(|f| f.strip_prefix("id=")).unwrap();
@@ -223,9 +223,15 @@ fn blocks_round_trip_bit_exact_and_every_fault_is_a_counted_miss() {
     );
     assert_eq!(remote.stats().direct_reads_total, direct + 10);
 
-    // Clear by namespace removes this namespace's blocks and nothing else.
+    // Clear by namespace removes this namespace's blocks and nothing else. (The slot map is
+    // loaded by now: these writes go straight to the masters' sockets.)
     let other_keys = keys(3, 99);
+    let direct = remote.stats().direct_writes_total;
     publish(&remote, &h, OTHER, &other_keys);
+    assert_eq!(remote.stats().direct_writes_total, direct + 3);
+    for (k, got) in other_keys.iter().zip(read_back(&remote, OTHER, &other_keys)) {
+        assert_eq!(got.unwrap(), bytes_of(*k), "block {k} written directly");
+    }
     assert_eq!(remote.clear(Some(NS)).unwrap(), 12);
     assert_eq!(remote.match_run(NS, &ks), 0);
     assert_eq!(remote.match_run(OTHER, &other_keys), 3);
@@ -293,8 +299,13 @@ fn wrong_credentials_are_an_error_at_start_and_right_ones_connect() {
     let ks = keys(2, 5);
     publish(&remote, &h, NS, &ks);
     assert_eq!(remote.match_run(NS, &ks), 2);
-    // Direct reads sign in with the same credentials.
+    // Direct reads and writes sign in with the same credentials.
     wait_for_slot_map(&remote);
+    let more = keys(2, 6);
+    let before = remote.stats().direct_writes_total;
+    publish(&remote, &h, NS, &more);
+    assert_eq!(remote.stats().direct_writes_total, before + 2);
+    assert_eq!(remote.match_run(NS, &more), 2);
     for (k, got) in ks.iter().zip(read_back(&remote, NS, &ks)) {
         assert_eq!(got.unwrap(), bytes_of(*k), "block {k}");
     }

@@ -1,18 +1,20 @@
-//! Block reads straight off the socket of the master that owns the key: the value's header is
-//! checked as it arrives and its payload is hashed and copied into the host page piece by
-//! piece out of the connection's read buffer.
+//! Block reads and writes straight on the socket of the master that owns the key.
 //!
-//! Why: the cluster client hands a GET's value over as a fresh `Vec` (a copy out of its read
-//! buffer into new memory, page faults included, for a value that is then copied once more
-//! into the page). Read here, a block costs the kernel's copy into a reused buffer and the one
-//! pass that hashes and writes the page.
+//! - A read's value header is checked as it arrives and its payload is hashed and copied into
+//!   the host page piece by piece out of the connection's read buffer. The cluster client would
+//!   hand the value over as a fresh `Vec` (a copy out of its read buffer into new memory, page
+//!   faults included) to be copied once more into the page.
+//! - A write sends the value's header, then the payload straight from the pinned host page to
+//!   the socket. The cluster client's `SET` would first copy the value into its command buffer
+//!   (another fresh allocation of the block's size).
 //!
 //! Everything the cluster client is there for stays with it: the slot map comes from it
-//! (`CLUSTER SLOTS`), and whatever this path cannot read plainly is handed back to it as
-//! [`Direct::Fallback`], under the same deadline: no route known, a master that does not
-//! answer within half the deadline or whose connection breaks (it is then left to the cluster
-//! client for `retry_ms`), a redirection (`MOVED` also drops the slot map until it is loaded
-//! again), any other error reply. TLS clusters are read through the cluster client only.
+//! (`CLUSTER SLOTS`), and whatever this path cannot do plainly is handed back to it, under the
+//! same deadline ([`Direct::Fallback`] from [`DirectIo::run`]): no route known,
+//! a master that does not answer within half the deadline or whose connection breaks (it is
+//! then left to the cluster client for `retry_ms`), a redirection (`MOVED` also drops the slot
+//! map until it is loaded again), any other error reply. With TLS everything goes through the
+//! cluster client.
 
 use std::collections::HashMap;
 use std::io;
@@ -26,8 +28,8 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 use super::lock;
-use crate::PageWriter;
 use crate::remote_value::{REMOTE_HEADER_BYTES, verify_header_bytes};
+use crate::{PageWriter, PinnedPage};
 
 /// Hash slots of a Redis Cluster.
 const SLOT_COUNT: u16 = 16384;
@@ -40,8 +42,8 @@ const READ_BUFFER_BYTES: usize = 256 << 10;
 /// out wrong, costs one `CLUSTER SLOTS` per interval, not one per read).
 const REFRESH_INTERVAL: Duration = Duration::from_millis(100);
 
-/// The name of every direct-read connection (`CLIENT LIST` shows it).
-pub(super) const CONNECTION_NAME: &str = "kvtier-direct-read";
+/// The name of every direct connection (`CLIENT LIST` shows it).
+pub(super) const CONNECTION_NAME: &str = "kvtier-direct";
 
 /// Idle connections older than this are closed rather than used.
 const MAX_IDLE_TIME: Duration = Duration::from_secs(30);
@@ -49,10 +51,11 @@ const MAX_IDLE_TIME: Duration = Duration::from_secs(30);
 /// Longest reply line read (a bulk length or an error); a longer one breaks the connection.
 const MAX_LINE_BYTES: usize = 4096;
 
-/// What a direct read found.
+/// What a direct read found, or how a direct write ended.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Direct {
-    /// The page holds the block: header and payload verified.
+    /// Read: the page holds the block, header and payload verified. Written: the master
+    /// answered OK.
     Copied,
     /// No such key on the master that owns it.
     Absent,
@@ -73,14 +76,14 @@ struct SlotRange {
     addr: String,
 }
 
-/// Direct reads: the slot map, idle connections per master, and the masters that failed
-/// lately.
-pub(super) struct DirectReads {
+/// Direct reads and writes: the slot map, idle connections per master, and the masters that
+/// failed lately.
+pub(super) struct DirectIo {
     username: Option<String>,
     password: Option<Secret>,
     connect_timeout: Duration,
-    /// A direct read's own deadline (half the tier's `timeout_ms`): a master that does not
-    /// answer within it is left to the cluster client, which gets the rest of the deadline.
+    /// A direct read's or write's own deadline (half the tier's `timeout_ms`): a master that
+    /// does not answer within it is left to the cluster client, which gets the rest.
     budget: Duration,
     /// How long a master that failed is left to the cluster client.
     retry: Duration,
@@ -100,9 +103,9 @@ pub(super) struct DirectReads {
     down: Mutex<HashMap<String, Instant>>,
 }
 
-impl std::fmt::Debug for DirectReads {
+impl std::fmt::Debug for DirectIo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DirectReads").finish_non_exhaustive()
+        f.debug_struct("DirectIo").finish_non_exhaustive()
     }
 }
 
@@ -111,7 +114,7 @@ pub(super) struct DirectConfig {
     pub username: Option<String>,
     pub password: Option<Secret>,
     pub connect_timeout: Duration,
-    /// The tier's deadline for one read; a direct read gets half of it.
+    /// The tier's deadline for one read or write; a direct one gets half of it.
     pub timeout: Duration,
     /// How long a master that failed is left to the cluster client.
     pub retry: Duration,
@@ -119,7 +122,7 @@ pub(super) struct DirectConfig {
     pub max_idle: usize,
 }
 
-impl DirectReads {
+impl DirectIo {
     pub(super) fn new(c: DirectConfig) -> Self {
         Self {
             username: c.username,
@@ -181,25 +184,53 @@ impl DirectReads {
         self.routes.read().unwrap_or_else(|e| e.into_inner()).is_none()
     }
 
-    /// Reads value `name` (block `key` of `ns`, a payload of `len` bytes) into `writer`'s page.
-    /// [`Direct::Fallback`] when it cannot (the caller asks the cluster client), at the latest
-    /// after half the tier's deadline.
-    pub(super) async fn read(
-        &self,
-        name: &str,
-        ns: NamespaceFingerprint,
-        key: BlockKey,
-        len: usize,
-        writer: &PageWriter,
-    ) -> Direct {
-        let Some(addr) = self.master_of(name.as_bytes()) else {
+    /// Runs `command` (and reads its whole reply) on a connection to the master that owns its
+    /// key: an idle one if there is one (and once more on a new one if that fails: the master
+    /// may have closed it), else a new one; within half the tier's deadline. What a read
+    /// found, [`Direct::Copied`] for a write the master took, or [`Direct::Fallback`] when
+    /// the command was not done (the caller goes through the cluster client): no master known
+    /// for the key, or one that cannot be used now (it is then left to the cluster client for
+    /// `retry`).
+    pub(super) async fn run(&self, command: Command<'_>) -> Direct {
+        let Some(addr) = self.master_of(command.name().as_bytes()) else {
             return Direct::Fallback;
         };
         if self.is_down(&addr) {
             return Direct::Fallback;
         }
-        let read = self.read_from(&addr, name, ns, key, len, writer);
-        match tokio::time::timeout(self.budget, read).await {
+        let attempt = async {
+            let mut pooled = self.take_idle(&addr);
+            loop {
+                let was_pooled = pooled.is_some();
+                let mut conn = match pooled.take() {
+                    Some(c) => c,
+                    None => self.connect(&addr).await?,
+                };
+                match command.send(&mut conn).await {
+                    Ok(Reply::Done(d)) => {
+                        self.put_back(&addr, conn);
+                        return Ok(d);
+                    }
+                    // The key lives elsewhere now: the map is wrong.
+                    Ok(Reply::Moved) => {
+                        self.put_back(&addr, conn);
+                        self.drop_routes();
+                        return Ok(Direct::Fallback);
+                    }
+                    // ASK (a slot being migrated), LOADING, CLUSTERDOWN, …: the cluster client
+                    // knows what to do with it.
+                    Ok(Reply::Error) => {
+                        self.put_back(&addr, conn);
+                        return Ok(Direct::Fallback);
+                    }
+                    // The rest of the reply is left unread: the connection goes.
+                    Ok(Reply::Unread(d)) => return Ok(d),
+                    Err(_) if was_pooled => continue,
+                    Err(e) => return Err(e),
+                }
+            }
+        };
+        match tokio::time::timeout(self.budget, attempt).await {
             Ok(Ok(d)) => d,
             Ok(Err(e)) => {
                 self.failed(&addr, &e);
@@ -207,53 +238,9 @@ impl DirectReads {
             }
             // The connection went with the dropped future.
             Err(_) => {
-                let e = io::Error::new(io::ErrorKind::TimedOut, "no answer within half the read deadline");
+                let e = io::Error::new(io::ErrorKind::TimedOut, "no answer within half the deadline");
                 self.failed(&addr, &e);
                 Direct::Fallback
-            }
-        }
-    }
-
-    /// [`DirectReads::read`] from master `addr`: on an idle connection if there is one (and
-    /// once more on a new one if that fails: the master may have closed it), else on a new
-    /// one. `Err` when the master cannot be read.
-    async fn read_from(
-        &self,
-        addr: &str,
-        name: &str,
-        ns: NamespaceFingerprint,
-        key: BlockKey,
-        len: usize,
-        writer: &PageWriter,
-    ) -> io::Result<Direct> {
-        let mut pooled = self.take_idle(addr);
-        loop {
-            let was_pooled = pooled.is_some();
-            let mut conn = match pooled.take() {
-                Some(c) => c,
-                None => self.connect(addr).await?,
-            };
-            match read_value(&mut conn, name, ns, key, len, writer).await {
-                Ok(Reply::Read(d)) => {
-                    self.put_back(addr, conn);
-                    return Ok(d);
-                }
-                // The key lives elsewhere now: the map is wrong.
-                Ok(Reply::Moved) => {
-                    self.put_back(addr, conn);
-                    self.drop_routes();
-                    return Ok(Direct::Fallback);
-                }
-                // ASK (a slot being migrated), LOADING, CLUSTERDOWN, …: the cluster client
-                // knows what to do with it.
-                Ok(Reply::Error) => {
-                    self.put_back(addr, conn);
-                    return Ok(Direct::Fallback);
-                }
-                // The rest of the value is left unread: the connection goes.
-                Ok(Reply::Unread(d)) => return Ok(d),
-                Err(_) if was_pooled => continue,
-                Err(e) => return Err(e),
             }
         }
     }
@@ -327,7 +314,7 @@ impl DirectReads {
                 return Err(io::Error::new(io::ErrorKind::PermissionDenied, "AUTH refused"));
             }
         }
-        // Named, so `CLIENT LIST` on a master tells kvtier's read connections apart.
+        // Named, so `CLIENT LIST` on a master tells kvtier's direct connections apart.
         conn.get_mut()
             .write_all(&command(&["CLIENT", "SETNAME", CONNECTION_NAME]))
             .await?;
@@ -339,10 +326,58 @@ impl DirectReads {
     }
 }
 
-/// How a GET's reply ended.
+/// A command sent on a direct connection.
+pub(super) enum Command<'a> {
+    /// `GET name`, the value read into `writer`'s page (block `key` of `ns`, `len` bytes).
+    Get {
+        name: &'a str,
+        ns: NamespaceFingerprint,
+        key: BlockKey,
+        len: usize,
+        writer: &'a PageWriter,
+    },
+    /// `SET name header+payload`, the payload the `len` bytes at `offset` of `page`.
+    Set {
+        name: &'a str,
+        header: &'a [u8; REMOTE_HEADER_BYTES],
+        page: &'a PinnedPage,
+        offset: usize,
+        len: usize,
+    },
+}
+
+impl Command<'_> {
+    fn name(&self) -> &str {
+        match self {
+            Command::Get { name, .. } | Command::Set { name, .. } => name,
+        }
+    }
+
+    /// Sends the command on `conn` and reads its reply.
+    async fn send(&self, conn: &mut NodeConn) -> io::Result<Reply> {
+        match *self {
+            Command::Get {
+                name,
+                ns,
+                key,
+                len,
+                writer,
+            } => read_value(conn, name, ns, key, len, writer).await,
+            Command::Set {
+                name,
+                header,
+                page,
+                offset,
+                len,
+            } => set_value(conn, name, header, page, offset, len).await,
+        }
+    }
+}
+
+/// How a command's reply ended.
 enum Reply {
     /// Read to its end; the connection can be used again.
-    Read(Direct),
+    Done(Direct),
     /// A `MOVED` redirection, read to its end.
     Moved,
     /// Another error reply, read to its end.
@@ -367,7 +402,7 @@ async fn read_value(
     match line.split_first() {
         Some((b'-', e)) if e.starts_with(b"MOVED ") => return Ok(Reply::Moved),
         Some((b'-', _)) => return Ok(Reply::Error),
-        Some((b'$', n)) if n == b"-1" => return Ok(Reply::Read(Direct::Absent)),
+        Some((b'$', n)) if n == b"-1" => return Ok(Reply::Done(Direct::Absent)),
         Some((b'$', _)) => {}
         _ => return Err(bad_reply("a GET reply that is neither a value nor an error")),
     }
@@ -409,11 +444,60 @@ async fn read_value(
     if &end != b"\r\n" {
         return Err(bad_reply("a value not followed by CRLF"));
     }
-    Ok(Reply::Read(if hash.digest() == digest {
+    Ok(Reply::Done(if hash.digest() == digest {
         Direct::Copied
     } else {
         Direct::Corrupt("payload checksum")
     }))
+}
+
+/// Sends `SET name header+payload`, the payload straight from the pinned page to the socket,
+/// and reads the reply: [`Reply::Done`] for `+OK`.
+async fn set_value(
+    conn: &mut NodeConn,
+    name: &str,
+    header: &[u8; REMOTE_HEADER_BYTES],
+    page: &PinnedPage,
+    offset: usize,
+    len: usize,
+) -> io::Result<Reply> {
+    let mut head = format!(
+        "*3\r\n$3\r\nSET\r\n${}\r\n{name}\r\n${}\r\n",
+        name.len(),
+        REMOTE_HEADER_BYTES + len
+    )
+    .into_bytes();
+    head.extend_from_slice(header);
+    conn.get_mut().write_all(&head).await?;
+    let stream = conn.get_ref();
+    let mut done = 0;
+    while done < len {
+        stream.writable().await?;
+        // SAFETY: `page` is a pin on a published block. Host pages are written only through the
+        // `PageWriter` of a reserved page, never once published, and a pinned page is neither
+        // evicted nor reused; the host arena is kvtier's own memory. So nothing writes these
+        // bytes while the view lives (within this call, no await inside).
+        let sent = unsafe {
+            page.region()
+                .with_bytes(offset + done, len - done, |p| stream.try_write(p))
+        };
+        match sent {
+            // A page that cannot be read: the connection is mid-command, so it goes.
+            Err(_) => return Ok(Reply::Unread(Direct::Fallback)),
+            Ok(Ok(n)) => done += n,
+            Ok(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Ok(Err(e)) => return Err(e),
+        }
+    }
+    conn.get_mut().write_all(b"\r\n").await?;
+    let mut line = Vec::with_capacity(32);
+    read_line(conn, &mut line).await?;
+    match line.split_first() {
+        Some((b'+', _)) => Ok(Reply::Done(Direct::Copied)),
+        Some((b'-', e)) if e.starts_with(b"MOVED ") => Ok(Reply::Moved),
+        Some((b'-', _)) => Ok(Reply::Error),
+        _ => Err(bad_reply("a SET reply that is neither OK nor an error")),
+    }
 }
 
 fn bad_reply(what: &str) -> io::Error {
