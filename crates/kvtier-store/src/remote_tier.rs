@@ -719,7 +719,7 @@ impl RemoteTier {
                 Direct::Copied => Fetched::Copied,
                 Direct::Absent => Fetched::Absent,
                 Direct::Corrupt(reason) => Fetched::Corrupt(reason),
-                Direct::Fallback => Fetched::Failed(FetchFailure::Unavailable),
+                Direct::Refused | Direct::Fallback => Fetched::Failed(FetchFailure::Unavailable),
             };
             if !matches!(direct, Fetched::Failed(_)) {
                 self.inner.counters.direct_reads.fetch_add(1, Ordering::Relaxed);
@@ -886,11 +886,15 @@ impl RemoteTier {
         len: usize,
     ) -> Result<(), DropReason> {
         if let Some(d) = &self.inner.direct
+            && d.needs_refresh()
+        {
+            self.inner.handle.spawn(Arc::clone(d).refresh(conn.clone()));
+        }
+        // Hashed here only when it is to go direct (the cluster client's command hashes as
+        // it copies).
+        if let Some(d) = self.inner.direct.as_ref().filter(|d| d.reaches(name))
             && let Ok((offset, header)) = value_header(ns, &page, len)
         {
-            if d.needs_refresh() {
-                self.inner.handle.spawn(Arc::clone(d).refresh(conn.clone()));
-            }
             let set = Command::Set {
                 name,
                 header: &header,
@@ -898,9 +902,16 @@ impl RemoteTier {
                 offset,
                 len,
             };
-            if d.run(set).await == Direct::Copied {
-                self.inner.counters.direct_writes.fetch_add(1, Ordering::Relaxed);
-                return Ok(());
+            match d.run(set).await {
+                Direct::Copied => {
+                    self.inner.counters.direct_writes.fetch_add(1, Ordering::Relaxed);
+                    return Ok(());
+                }
+                Direct::Refused => {
+                    tracing::debug!(key = %name, "remote write refused by the cluster");
+                    return Err(DropReason::Error);
+                }
+                _ => {}
             }
         }
         let cmd = set_command(name, ns, &page, len);

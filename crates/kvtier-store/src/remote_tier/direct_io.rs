@@ -61,7 +61,10 @@ pub(super) enum Direct {
     Absent,
     /// A value that does not verify (what did not).
     Corrupt(&'static str),
-    /// Not read here: ask the cluster client.
+    /// A write the master refused for good (`OOM`, `NOPERM`, …): the cluster client would be
+    /// refused the same.
+    Refused,
+    /// Not done here: ask the cluster client.
     Fallback,
 }
 
@@ -82,9 +85,10 @@ pub(super) struct DirectIo {
     username: Option<String>,
     password: Option<Secret>,
     connect_timeout: Duration,
-    /// A direct read's or write's own deadline (half the tier's `timeout_ms`): a master that
-    /// does not answer within it is left to the cluster client, which gets the rest.
-    budget: Duration,
+    /// The tier's deadline for one read or write (`timeout_ms`). A direct read gets half of it
+    /// (a master that does not answer within that is left to the cluster client, which gets
+    /// the rest); a direct write, whose payload may still be moving, all of it.
+    timeout: Duration,
     /// How long a master that failed is left to the cluster client.
     retry: Duration,
     /// Sorted by `first`; `None` until the first `CLUSTER SLOTS`, and again once a read found
@@ -114,7 +118,7 @@ pub(super) struct DirectConfig {
     pub username: Option<String>,
     pub password: Option<Secret>,
     pub connect_timeout: Duration,
-    /// The tier's deadline for one read or write; a direct one gets half of it.
+    /// The tier's deadline for one read or write.
     pub timeout: Duration,
     /// How long a master that failed is left to the cluster client.
     pub retry: Duration,
@@ -128,7 +132,7 @@ impl DirectIo {
             username: c.username,
             password: c.password,
             connect_timeout: c.connect_timeout,
-            budget: c.timeout / 2,
+            timeout: c.timeout,
             retry: c.retry,
             routes: RwLock::new(None),
             generation: AtomicU64::new(0),
@@ -178,6 +182,13 @@ impl DirectIo {
         self.refreshing.store(false, Ordering::Release);
     }
 
+    /// Whether a command on key `name` would be tried here now: a master is known for it and
+    /// not left to the cluster client.
+    pub(super) fn reaches(&self, name: &str) -> bool {
+        self.master_of(name.as_bytes())
+            .is_some_and(|addr| !self.is_down(&addr))
+    }
+
     /// Whether the slot map is missing (never loaded, or dropped by a read that found it
     /// wrong).
     pub(super) fn needs_refresh(&self) -> bool {
@@ -186,11 +197,11 @@ impl DirectIo {
 
     /// Runs `command` (and reads its whole reply) on a connection to the master that owns its
     /// key: an idle one if there is one (and once more on a new one if that fails: the master
-    /// may have closed it), else a new one; within half the tier's deadline. What a read
-    /// found, [`Direct::Copied`] for a write the master took, or [`Direct::Fallback`] when
-    /// the command was not done (the caller goes through the cluster client): no master known
-    /// for the key, or one that cannot be used now (it is then left to the cluster client for
-    /// `retry`).
+    /// may have closed it), else a new one; a read within half the tier's deadline, a write
+    /// within all of it. What a read found, [`Direct::Copied`] for a write the master took,
+    /// [`Direct::Refused`] for one it refused, or [`Direct::Fallback`] when the command was not
+    /// done (the caller goes through the cluster client): no master known for the key, or one
+    /// that cannot be used now (it is then left to the cluster client for `retry`).
     pub(super) async fn run(&self, command: Command<'_>) -> Direct {
         let Some(addr) = self.master_of(command.name().as_bytes()) else {
             return Direct::Fallback;
@@ -230,7 +241,11 @@ impl DirectIo {
                 }
             }
         };
-        match tokio::time::timeout(self.budget, attempt).await {
+        let budget = match command {
+            Command::Get { .. } => self.timeout / 2,
+            Command::Set { .. } => self.timeout,
+        };
+        match tokio::time::timeout(budget, attempt).await {
             Ok(Ok(d)) => d,
             Ok(Err(e)) => {
                 self.failed(&addr, &e);
@@ -268,7 +283,7 @@ impl DirectIo {
     /// Reading `addr` failed: its idle connections and the slot map are dropped, and the
     /// master is left to the cluster client for `retry`.
     fn failed(&self, addr: &str, e: &io::Error) {
-        tracing::debug!(addr, error = %e, "remote tier: direct read failed; using the cluster client");
+        tracing::debug!(addr, error = %e, "remote tier: direct command failed; using the cluster client");
         lock(&self.down).insert(addr.to_string(), Instant::now() + self.retry);
         lock(&self.idle).remove(addr);
         self.drop_routes();
@@ -486,6 +501,11 @@ async fn set_value(
             Err(_) => return Ok(Reply::Unread(Direct::Fallback)),
             Ok(Ok(n)) => done += n,
             Ok(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => {}
+            // The kernel could not read the page (its memory went away): not the master's
+            // fault; the connection is mid-command, so it goes.
+            Ok(Err(e)) if e.raw_os_error() == Some(libc::EFAULT) => {
+                return Ok(Reply::Unread(Direct::Fallback));
+            }
             Ok(Err(e)) => return Err(e),
         }
     }
@@ -495,10 +515,24 @@ async fn set_value(
     match line.split_first() {
         Some((b'+', _)) => Ok(Reply::Done(Direct::Copied)),
         Some((b'-', e)) if e.starts_with(b"MOVED ") => Ok(Reply::Moved),
-        Some((b'-', _)) => Ok(Reply::Error),
+        // Where the key is or whether the cluster serves now: the cluster client's to handle.
+        Some((b'-', e)) if CLUSTER_STATE_ERRORS.iter().any(|p| e.starts_with(p)) => Ok(Reply::Error),
+        // Anything else (OOM, NOPERM, …) it would be refused too.
+        Some((b'-', _)) => Ok(Reply::Done(Direct::Refused)),
         _ => Err(bad_reply("a SET reply that is neither OK nor an error")),
     }
 }
+
+/// Error replies about the cluster's state rather than the command: a write that gets one is
+/// handed to the cluster client (which follows redirections and waits out failovers).
+const CLUSTER_STATE_ERRORS: [&[u8]; 6] = [
+    b"ASK ",
+    b"TRYAGAIN",
+    b"CLUSTERDOWN",
+    b"LOADING",
+    b"MASTERDOWN",
+    b"READONLY",
+];
 
 fn bad_reply(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, format!("{what} from the node"))

@@ -236,6 +236,22 @@ fn blocks_round_trip_bit_exact_and_every_fault_is_a_counted_miss() {
     assert_eq!(remote.match_run(NS, &ks), 0);
     assert_eq!(remote.match_run(OTHER, &other_keys), 3);
     assert_eq!(remote.clear(None).unwrap(), 3);
+
+    // Masters out of memory refuse writes: each is counted once, as dropped for an error.
+    for n in cluster.nodes() {
+        let port: u16 = n.rsplit_once(':').unwrap().1.parse().unwrap();
+        cluster.cli_on(port, &["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+        cluster.cli_on(port, &["CONFIG", "SET", "maxmemory", "1"]);
+    }
+    let refused = keys(2, 7);
+    let (written, direct) = (
+        remote.stats().written_blocks_total,
+        remote.stats().direct_writes_total,
+    );
+    publish(&remote, &h, NS, &refused);
+    let s = remote.stats();
+    assert_eq!(s.dropped(DropReason::Error), 2, "{s:?}");
+    assert_eq!((s.written_blocks_total, s.direct_writes_total), (written, direct));
 }
 
 #[test]
