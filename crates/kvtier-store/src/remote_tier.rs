@@ -287,8 +287,8 @@ struct Inner {
     counters: Counters,
     reads: Arc<Semaphore>,
     writes: Arc<Semaphore>,
-    /// Block reads off the masters' sockets (`None` with TLS: reads go through the cluster
-    /// client).
+    /// Block reads and writes on the masters' sockets (`None` with TLS: everything goes
+    /// through the cluster client).
     direct: Option<Arc<DirectIo>>,
     /// Blocks queued or being written, and its waiters ([`RemoteTier::flush`]).
     pending: Mutex<u64>,
@@ -448,7 +448,7 @@ impl RemoteTier {
                     connect_timeout: Duration::from_millis(config.connect_timeout_ms),
                     timeout: Duration::from_millis(config.timeout_ms),
                     retry: Duration::from_millis(config.retry_ms),
-                    max_idle: config.read_concurrency,
+                    max_idle: config.read_concurrency + config.write_concurrency,
                 }))
             }),
             pending: Mutex::new(0),
@@ -488,9 +488,7 @@ impl RemoteTier {
     }
 
     fn set_connected(&self, conn: ClusterConnection) {
-        if let Some(d) = &self.inner.direct {
-            self.inner.handle.spawn(Arc::clone(d).refresh(conn.clone()));
-        }
+        self.direct(&conn);
         *lock(&self.inner.conn) = Some(conn);
         self.inner.connected.store(true, Ordering::Release);
         tracing::info!(nodes = %self.inner.config.nodes.join(","), "remote tier connected");
@@ -704,10 +702,7 @@ impl RemoteTier {
         len: usize,
         writer: &PageWriter,
     ) -> Fetched {
-        if let Some(d) = &self.inner.direct {
-            if d.needs_refresh() {
-                self.inner.handle.spawn(Arc::clone(d).refresh(conn.clone()));
-            }
+        if let Some(d) = self.direct(&conn) {
             let get = Command::Get {
                 name,
                 ns,
@@ -715,15 +710,15 @@ impl RemoteTier {
                 len,
                 writer,
             };
-            let direct = match d.run(get).await {
-                Direct::Copied => Fetched::Copied,
-                Direct::Absent => Fetched::Absent,
-                Direct::Corrupt(reason) => Fetched::Corrupt(reason),
-                Direct::Refused | Direct::Fallback => Fetched::Failed(FetchFailure::Unavailable),
+            let found = match d.run(get).await {
+                Direct::Copied => Some(Fetched::Copied),
+                Direct::Absent => Some(Fetched::Absent),
+                Direct::Corrupt(reason) => Some(Fetched::Corrupt(reason)),
+                Direct::Refused | Direct::Fallback => None,
             };
-            if !matches!(direct, Fetched::Failed(_)) {
+            if let Some(found) = found {
                 self.inner.counters.direct_reads.fetch_add(1, Ordering::Relaxed);
-                return direct;
+                return found;
             }
         }
         match redis::cmd("GET")
@@ -885,16 +880,11 @@ impl RemoteTier {
         page: PinnedPage,
         len: usize,
     ) -> Result<(), DropReason> {
-        if let Some(d) = &self.inner.direct
-            && d.needs_refresh()
-        {
-            self.inner.handle.spawn(Arc::clone(d).refresh(conn.clone()));
-        }
-        // Hashed here only when it is to go direct (the cluster client's command hashes as
-        // it copies).
-        if let Some(d) = self.inner.direct.as_ref().filter(|d| d.reaches(name))
-            && let Ok((offset, header)) = value_header(ns, &page, len)
-        {
+        let (offset, header) = value_header(ns, &page, len).map_err(|e| {
+            tracing::warn!(error = %e, "remote write: reading the host page failed");
+            DropReason::Error
+        })?;
+        if let Some(d) = self.direct(&conn) {
             let set = Command::Set {
                 name,
                 header: &header,
@@ -914,7 +904,7 @@ impl RemoteTier {
                 _ => {}
             }
         }
-        let cmd = set_command(name, ns, &page, len);
+        let cmd = set_command(name, &header, &page, offset, len);
         drop(page);
         let cmd = cmd.map_err(|e| {
             tracing::warn!(error = %e, "remote write: reading the host page failed");
@@ -928,6 +918,16 @@ impl RemoteTier {
                 Err(DropReason::Error)
             }
         }
+    }
+
+    /// The direct path, if the tier has one (no TLS); asks the cluster for the slot map in the
+    /// background when it has none (`conn` is the cluster client's connection to ask on).
+    fn direct(&self, conn: &ClusterConnection) -> Option<&Arc<DirectIo>> {
+        let d = self.inner.direct.as_ref()?;
+        if d.needs_refresh() {
+            self.inner.handle.spawn(Arc::clone(d).refresh(conn.clone()));
+        }
+        Some(d)
     }
 
     /// When the writes that succeeded since the last call ran: the first one's start and
@@ -1056,17 +1056,17 @@ async fn connect(client: ClusterClient, timeout_ms: u64) -> Result<ClusterConnec
     }
 }
 
-/// `SET name value` for the block in `page`, the value (header + payload) written straight
-/// from the host page into the command's buffer: one hash pass and one copy.
+/// `SET name value` for the block at `offset` of `page`, the value (`header` + payload)
+/// written straight from the host page into the command's buffer: one copy.
 fn set_command(
     name: &str,
-    ns: NamespaceFingerprint,
+    header: &[u8; REMOTE_HEADER_BYTES],
     page: &PinnedPage,
+    offset: usize,
     len: usize,
 ) -> Result<redis::Cmd, StoreError> {
     use redis::RedisWrite;
     use std::io::Write;
-    let (offset, _) = page.layer_range(0)?;
     let mut cmd = redis::cmd("SET");
     cmd.arg(name);
     // SAFETY: `page` is a pin on a published block. Host pages are written only through the
@@ -1075,10 +1075,9 @@ fn set_command(
     // while the view lives.
     unsafe {
         page.region().with_bytes(offset, len, |payload| {
-            let header = encode_header(ns, page.key(), len as u64, kvtier_core::xxh3_64(payload));
             let mut w = cmd.writer_for_next_arg();
             // Writes into a growable buffer cannot fail.
-            let _ = w.write_all(&header);
+            let _ = w.write_all(header);
             let _ = w.write_all(payload);
         })?;
     }
@@ -1095,6 +1094,7 @@ fn value_header(
     let (offset, _) = page.layer_range(0)?;
     // SAFETY: as in `set_command`: a pinned, published host page is written by no one.
     let digest = unsafe { page.region().with_bytes(offset, len, kvtier_core::xxh3_64)? };
+    // (The same argument as `set_command`'s.)
     Ok((offset, encode_header(ns, page.key(), len as u64, digest)))
 }
 

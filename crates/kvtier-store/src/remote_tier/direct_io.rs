@@ -91,8 +91,8 @@ pub(super) struct DirectIo {
     timeout: Duration,
     /// How long a master that failed is left to the cluster client.
     retry: Duration,
-    /// Sorted by `first`; `None` until the first `CLUSTER SLOTS`, and again once a read found
-    /// the map wrong (every read goes to the cluster client until it is refreshed).
+    /// Sorted by `first`; `None` until the first `CLUSTER SLOTS`, and again once a command
+    /// found the map wrong (everything goes to the cluster client until it is refreshed).
     routes: RwLock<Option<Arc<Vec<SlotRange>>>>,
     /// Bumped each time the map is dropped, so a load that began before cannot put the old
     /// map back.
@@ -102,7 +102,7 @@ pub(super) struct DirectIo {
     last_refresh: Mutex<Option<Instant>>,
     /// Idle connections per master and since when each is idle.
     idle: Mutex<HashMap<String, Vec<(NodeConn, Instant)>>>,
-    /// Idle connections kept per master (the tier's read concurrency).
+    /// Idle connections kept per master (the tier's read and write concurrency).
     max_idle: usize,
     down: Mutex<HashMap<String, Instant>>,
 }
@@ -182,14 +182,7 @@ impl DirectIo {
         self.refreshing.store(false, Ordering::Release);
     }
 
-    /// Whether a command on key `name` would be tried here now: a master is known for it and
-    /// not left to the cluster client.
-    pub(super) fn reaches(&self, name: &str) -> bool {
-        self.master_of(name.as_bytes())
-            .is_some_and(|addr| !self.is_down(&addr))
-    }
-
-    /// Whether the slot map is missing (never loaded, or dropped by a read that found it
+    /// Whether the slot map is missing (never loaded, or dropped by a command that found it
     /// wrong).
     pub(super) fn needs_refresh(&self) -> bool {
         self.routes.read().unwrap_or_else(|e| e.into_inner()).is_none()
@@ -253,7 +246,7 @@ impl DirectIo {
             }
             // The connection went with the dropped future.
             Err(_) => {
-                let e = io::Error::new(io::ErrorKind::TimedOut, "no answer within half the deadline");
+                let e = io::Error::new(io::ErrorKind::TimedOut, format!("no answer within {budget:?}"));
                 self.failed(&addr, &e);
                 Direct::Fallback
             }
@@ -280,7 +273,7 @@ impl DirectIo {
         }
     }
 
-    /// Reading `addr` failed: its idle connections and the slot map are dropped, and the
+    /// A command on `addr` failed: its idle connections and the slot map are dropped, and the
     /// master is left to the cluster client for `retry`.
     fn failed(&self, addr: &str, e: &io::Error) {
         tracing::debug!(addr, error = %e, "remote tier: direct command failed; using the cluster client");
