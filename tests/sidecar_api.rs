@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use common::*;
 use kvtier_client::{Client, LayerEvents, LoadEvent, MatchedBlock, PoolHandle};
@@ -56,7 +56,6 @@ fn code(e: kvtier_client::ClientError) -> Code {
 /// A store with a `not_after` that has passed stores nothing and says so; one in time stores.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_past_its_not_after_stores_nothing() {
-    use std::time::{Duration, SystemTime};
     let sidecar = Sidecar::start(|_| {}).await;
     let mut e = engine(&sidecar, 8).await;
     let tokens: Vec<u32> = (0..16 * 2).map(|t| t * 3 + 2).collect();

@@ -701,13 +701,7 @@ impl PoolLayout {
                 ),
             });
         }
-        let groups = self.groups();
-        if groups > MAX_KV_CACHE_GROUPS {
-            let i = self
-                .layers
-                .iter()
-                .position(|l| l.group >= MAX_KV_CACHE_GROUPS)
-                .unwrap_or(0);
+        if let Some(i) = self.layers.iter().position(|l| l.group >= MAX_KV_CACHE_GROUPS) {
             return Err(LayoutError {
                 field: format!("layout.layers[{i}].group"),
                 reason: format!(
@@ -718,6 +712,7 @@ impl PoolLayout {
                 ),
             });
         }
+        let groups = self.groups();
         let mut used = vec![false; groups as usize];
         for l in &self.layers {
             used[l.group as usize] = true;

@@ -8,10 +8,11 @@
 //! request's block `b`: each layer's batch goes to the real pool with the slots of that
 //! layer's group, and copies into [`NO_SLOT`] are left out. The queues stay what they are.
 
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 
-use kvtier_core::{KvGeometry, PoolLayout};
+use kvtier_core::{KvGeometry, MAX_KV_CACHE_GROUPS, PoolLayout};
 use kvtier_store::ShmRegion;
 
 use crate::{CopyDirection, CopyTicket, DevicePool, SlotCopy, TransferError};
@@ -23,21 +24,22 @@ pub const NO_SLOT: u32 = u32::MAX;
 /// In a load: the first real slot named by two groups whose layers share that slot's bytes
 /// (the layers of vLLM's groups lie over one another), as (later group, earlier group, slot):
 /// both layers would be written into the same bytes. Costs a hash lookup per slot, and a
-/// compare of the two groups' pieces only where a slot repeats across groups.
+/// compare of two groups' pieces only where a slot repeats across groups (against every
+/// earlier group naming it: groups 0 and 2 may keep apart where 1 and 2 do not).
 fn shared_slot(pool: &dyn DevicePool, slots: &[Vec<u32>]) -> Option<(usize, usize, u32)> {
-    let mut owner = std::collections::HashMap::with_capacity(slots.first().map_or(0, Vec::len));
+    // Per slot, the groups that named it so far, one bit each (a validated layout has at
+    // most MAX_KV_CACHE_GROUPS groups).
+    const _: () = assert!(MAX_KV_CACHE_GROUPS <= u64::BITS);
+    let mut named: HashMap<u32, u64> = HashMap::with_capacity(slots.first().map_or(0, Vec::len));
     for (g, list) in slots.iter().enumerate() {
         for &s in list.iter().filter(|&&s| s != NO_SLOT) {
-            match owner.entry(s) {
-                std::collections::hash_map::Entry::Vacant(v) => {
-                    v.insert(g);
-                }
-                std::collections::hash_map::Entry::Occupied(o) => {
-                    if groups_share_slot(pool, *o.get() as u32, g as u32, s) {
-                        return Some((g, *o.get(), s));
-                    }
-                }
+            let earlier = named.entry(s).or_default();
+            if let Some(first) =
+                (0..g).find(|&a| *earlier & 1 << a != 0 && groups_share_slot(pool, a as u32, g as u32, s))
+            {
+                return Some((g, first, s));
             }
+            *earlier |= 1 << g;
         }
     }
     None
@@ -136,7 +138,7 @@ impl GroupedSlots {
                     format!("{} slots for {blocks} keys: give one slot per key", list.len()),
                 );
             }
-            let mut seen = std::collections::HashSet::with_capacity(list.len());
+            let mut seen = HashSet::with_capacity(list.len());
             for &s in list {
                 if s == NO_SLOT {
                     if !missing_ok {
@@ -231,19 +233,22 @@ impl DevicePool for GroupedSlots {
 
 #[cfg(test)]
 mod tests {
-    use kvtier_core::{Dtype, LayerLayout, LayoutKind};
+    use kvtier_core::{Dtype, LayoutKind};
 
     use super::*;
     use crate::CpuDevicePool;
 
-    /// Two layers, layer 1 in group 1: laid apart (`over` false) or over layer 0's bytes.
-    fn pool(over: bool) -> Arc<dyn DevicePool> {
-        let g = KvGeometry::new(2, 2, 8, Dtype::F16, 4).unwrap();
+    /// `n` layers, layer `l` in group `l`, laid apart, but for each `(l, on)` in `over` layer `l`
+    /// lies over layer `on`'s bytes.
+    fn pool(n: u32, over: &[(usize, usize)]) -> Arc<dyn DevicePool> {
+        let g = KvGeometry::new(n, 2, 8, Dtype::F16, 4).unwrap();
         let mut layers = PoolLayout::of_kind(LayoutKind::Vllm, &g, 8, 0).layers().to_vec();
-        layers[1] = LayerLayout {
-            group: 1,
-            ..if over { layers[0] } else { layers[1] }
-        };
+        for &(l, on) in over {
+            layers[l] = layers[on];
+        }
+        for (i, l) in layers.iter_mut().enumerate() {
+            l.group = i as u32;
+        }
         let bytes = PoolLayout::kind_bytes(&g, 8, 0) as usize;
         Arc::new(CpuDevicePool::create_with_layout(None, g, 8, PoolLayout::new(layers), bytes).unwrap())
     }
@@ -252,9 +257,9 @@ mod tests {
     fn a_load_may_name_a_slot_in_two_groups_only_where_their_layers_keep_it_apart() {
         let lists = || vec![vec![0, 1, 2], vec![3, 1, NO_SLOT]];
         // Apart: slot 1 of group 0 (layer 0) and of group 1 (layer 1) are different bytes.
-        GroupedSlots::new(pool(false), lists(), true).unwrap();
+        GroupedSlots::new(pool(2, &[]), lists(), true).unwrap();
         // Over one another: the load would write layers 0 and 1 into one slot's bytes.
-        let e = GroupedSlots::new(pool(true), lists(), true)
+        let e = GroupedSlots::new(pool(2, &[(1, 0)]), lists(), true)
             .unwrap_err()
             .to_string();
         assert!(
@@ -262,7 +267,16 @@ mod tests {
             "{e}"
         );
         // Different slots over one another are apart; a store reads, so repeats are its own.
-        GroupedSlots::new(pool(true), vec![vec![0, 1, 2], vec![3, 4, NO_SLOT]], true).unwrap();
-        GroupedSlots::new(pool(true), vec![vec![0, 1, 2], vec![3, 1, 5]], false).unwrap();
+        GroupedSlots::new(pool(2, &[(1, 0)]), vec![vec![0, 1, 2], vec![3, 4, NO_SLOT]], true).unwrap();
+        GroupedSlots::new(pool(2, &[(1, 0)]), vec![vec![0, 1, 2], vec![3, 1, 5]], false).unwrap();
+        // Every earlier group naming the slot counts, not only the first: group 2 lies on
+        // group 1, apart from group 0, and all three name slot 1.
+        let e = GroupedSlots::new(pool(3, &[(2, 1)]), vec![vec![1], vec![1], vec![1]], true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("group_slots[1]: device slot 1 is also in group_slots[0], and their layers share"),
+            "{e}"
+        );
     }
 }
