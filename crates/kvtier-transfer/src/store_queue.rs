@@ -477,6 +477,11 @@ impl ChunkedJob for StoreJob {
         let last = self.core.run_chunk_batch(
             chunk,
             |layer, range| {
+                // Past `not_after` nothing of this store can be published: the rest of its
+                // copies are skipped, as after a failed one.
+                if let Some(t) = self.not_after {
+                    late(t, "were still running")?;
+                }
                 JobCore::copy_batch(
                     &*self.pool,
                     CopyDirection::DeviceToHost,

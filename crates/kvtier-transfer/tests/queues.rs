@@ -554,7 +554,8 @@ fn a_store_publishes_nothing_of_copies_that_end_after_its_not_after() {
     open.1.notify_all();
     let e = rx.recv().unwrap().unwrap_err();
     assert!(
-        matches!(&e, TransferError::TooLate(why) if why.starts_with("ended")),
+        // Late either at the end, or at a copy after the first (the rest are skipped).
+        matches!(&e, TransferError::TooLate(why) if why.starts_with("ended") || why.starts_with("were still running")),
         "{e:?}"
     );
     assert!(e.to_string().contains("nothing was stored"), "{e}");
