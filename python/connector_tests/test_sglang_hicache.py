@@ -208,6 +208,10 @@ def test_a_store_that_times_out_keeps_the_staging_pool_and_lands_nothing_late(si
         finally:
             sidecar.resume()
         assert b._pool is old_pool and b._session is old_session and not b._tainted, "nothing given up"
+        # Sent after the late store on the same channel, so read after it too: once this one
+        # is stored, the late one has been refused or landed.
+        other = hashes(torch.randint(50_000, 100_000, (4 * PAGE,), generator=gen).tolist())
+        assert b.batch_set_v1(other, indices(4, 4)) == [True] * 4
         assert b.batch_exists(keys) == 0, "nothing landed late"
         assert_pages_round_trip(b, host, keys)
     finally:

@@ -526,10 +526,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             # What the sidecar holds now is unknown: the blocks announced are reported removed
             # (a later store announces them again).
             self._announce_removed(list(self._announced))
-        else:
-            # Not all held: a store of the old session may still run (its pool stays mapped
-            # until its transfers end); what its not_after has passed is free.
-            self._release_unsure(time.time())
+        # Held stores of the old session stay held until their not_after (its transfers run to
+        # their end with its pool mapped): _reap lets them go, as for any session.
         return True
 
     def _reopen(self) -> tuple[Session, CpuPool | None, PoolHandle]:
@@ -860,21 +858,17 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         (on the engine's thread, which alone reaps stores). With none in flight, the ended
         ones are reaped and held slots whose store's ``not_after`` has passed come back; if
         still none is free, :class:`~kvtier.errors.KvtierError`."""
-        while True:
-            with self._slot_lock:
-                if self._free:
-                    k = min(n, len(self._free))
-                    return [self._free.popleft() for _ in range(k)]
-                if any(not f.done() for _, _, f in self._stores):
-                    self._slot_lock.wait(0.05)
-                    continue
-            self._reap(block=False)
-            with self._slot_lock:
-                if self._free:
-                    continue
-            held = sum(len(slots) for _, slots, _ in self._unsure)
-            raise KvtierError(f"kvtier: no free staging slot ({held} held for stores of unknown outcome "
-                              "until their not_after)" if held else "kvtier: no free staging slot")
+        with self._slot_lock:
+            while not self._free and any(not f.done() for _, _, f in self._stores):
+                self._slot_lock.wait(0.05)
+        if not self._free:
+            self._reap(block=False)  # stores that ended held give their slots back once due
+        with self._slot_lock:
+            if self._free:
+                return [self._free.popleft() for _ in range(min(n, len(self._free)))]
+        held = sum(len(slots) for _, slots, _ in self._unsure)
+        raise KvtierError(f"kvtier: no free staging slot ({held} held for stores of unknown outcome "
+                          "until their not_after)" if held else "kvtier: no free staging slot")
 
     def _give_slots(self, slots: list[int]) -> None:
         with self._slot_lock:
@@ -1172,10 +1166,6 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         session, handle = self._ready()
         assert self._executor is not None
         if self._in_place:
-            computed: torch.cuda.Event | None = None
-            if meta.saves and self._kv_caches[0].is_cuda:
-                computed = torch.cuda.Event()
-                computed.record()
             # vLLM may write a block freed meanwhile as soon as this step returns: a hybrid
             # model's window groups free blocks as the window moves on, unannounced, and vLLM
             # >= 0.34 applies the next step's copy-on-write block copies before it reports
@@ -1184,6 +1174,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             in_step = self._stores_end_in_step
             if in_step and meta.saves and time.monotonic() < self._save_again_at:
                 return  # a sidecar that has not kept up lately: this step computes, unsaved
+            computed: torch.cuda.Event | None = None
+            if meta.saves and self._kv_caches[0].is_cuda:
+                computed = torch.cuda.Event()
+                computed.record()
             deadline = time.monotonic() + self._step_store_timeout_s if in_step else None
             self._late_stores = 0
             for spec in meta.saves:
@@ -1284,15 +1278,15 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                     self._late_stores += 1  # the step ran out of time for it, or waits it out
                 logger.warning("kvtier: store of %d blocks failed: %s%s", len(keys), e,
                                f"; its {'blocks' if self._in_place else 'slots'} are kept from reuse for "
-                               f"{not_after - time.time():.1f} s (its not_after)" if held else "")
+                               f"{not_after - time.time():.1f} s (its not_after)" if held is not None else "")
                 if held is not None and deadline is not None:
                     # The step's blocks are vLLM's again once wait_for_save returns: nothing
                     # signals the end of a call cut off unanswered, only its not_after (at most
                     # step_store_timeout_s away), which the step waits out.
                     time.sleep(max(0.0, held - time.time()))
                     return []
-                kept = held
-                return kept if kept is not None else []
+                kept = held  # read by the finally below: these slots stay out of use
+                return [] if held is None else held
             refused = set(r.no_space)
             return [k for k in keys if k not in refused]
         finally:
@@ -1320,7 +1314,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 self._store_ended(req_id)
         self._stores = kept
         if self._unsure:
-            self._release_unsure(time.time())
+            self._release_unsure()
 
     def _store_ended(self, req_id: str) -> None:
         n = self._stores_of.get(req_id, 1) - 1
@@ -1329,10 +1323,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._stores_of.pop(req_id, None)
 
-    def _release_unsure(self, now: float) -> None:
-        """Held stores whose ``not_after`` is before ``now`` (nothing of them can be published
-        any more) release their slots and requests. Not earlier, not even for a replaced
-        session: a transfer of the old one runs to its end with its pool still mapped."""
+    def _release_unsure(self) -> None:
+        """Held stores whose ``not_after`` has passed (nothing of them can be published any
+        more) release their slots and requests. Not earlier, not even for a replaced session: a
+        transfer of the old one runs to its end with its pool still mapped."""
+        now = time.time()
         unsure, self._unsure = self._unsure, []
         for req_id, slots, until in unsure:
             if until > now:
@@ -1366,7 +1361,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("kvtier: waiting %.1f s for a preempted request's store of unknown outcome (its not_after)",
                            until - time.time())
             time.sleep(max(0.0, until - time.time()))
-            self._release_unsure(time.time())
+            self._release_unsure()
 
     def flush(self) -> None:
         """Waits for every store and background load in flight (for tests and shutdown)."""
