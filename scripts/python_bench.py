@@ -20,6 +20,13 @@ to the last end.
   connector's in-place path, SGLang's host pool): put is ``Session.store`` of the batch's slots
   and get ``Session.load`` into them, two loads in flight; nothing to copy. The bytes are
   checked from the pool after each get pass, untimed.
+- kvtier-process (``--no-process`` skips it): the client's own blocks and its get buffer — the
+  same plain numpy arrays the Redis client uses, not shared memory — are registered as two
+  process pools (``Session.register_process_pool``, block-major): put is ``Session.store`` of
+  the batch's rows of the blocks, get ``Session.load`` into the batch's rows of the buffer, two
+  loads in flight; the sidecar copies straight between its host tier and the client's memory
+  (``process_vm_readv`` / ``process_vm_writev``), the one copy a Redis client's own copy stands
+  for.
 - kvtier get: ``Session.load`` of the batch (``done_only``: one reply message) + copy out of
   the slots into a numpy buffer. With ``--pipeline`` (the default) a client double-buffers: it
   starts the next batch's Store/Load on the other half of its pool before copying the current
@@ -124,15 +131,23 @@ def _worker(job: Job, barrier) -> dict:  # noqa: ANN001
     dst = np.zeros((n, bb), dtype=np.uint8)                      # where gets land (touched)
 
     if job.system.startswith("kvtier"):
-        # In place: the blocks live in the pool (an engine whose KV is the pool), no copies.
-        in_place = job.system == "kvtier-in-place"
+        # In place: the blocks live in the pool (an engine whose KV is the pool), no copies;
+        # process: the client's own arrays are its pools.
+        process = job.system == "kvtier-process"
+        in_place = process or job.system == "kvtier-in-place"
         halves = 2 if job.pipeline else 1
         slots = n if in_place else halves * b
-        pool = kvtier.CpuPool.create(g, num_slots=slots, block_major=job.block_major or in_place)
-        pool.raw[:] = 1                                          # map every page now
-        if in_place:
-            pool.blocks[:] = src
-        h = sess.register_pool(pool, f"python-bench-{job.client}")
+        pool: kvtier.CpuPool | None = None
+        if process:
+            layout = kvtier.pool.block_major_layout(g)
+            h_put = sess.register_process_pool([src], f"python-bench-{job.client}", num_slots=n, layout=layout)
+            h = sess.register_process_pool([dst], f"python-bench-{job.client}", num_slots=n, layout=layout)
+        else:
+            pool = kvtier.CpuPool.create(g, num_slots=slots, block_major=job.block_major or in_place)
+            pool.raw[:] = 1                                      # map every page now
+            if in_place:
+                pool.blocks[:] = src
+            h = h_put = sess.register_pool(pool, f"python-bench-{job.client}")
         keys = h.keys(_tokens(job.client, n, g.block_tokens))
         L, B = g.layers, g.block_layer_bytes
         # Block i as the pool lays it out: (layers, block-layer bytes); a batch: (layers, n, B).
@@ -157,6 +172,7 @@ def _worker(job: Job, barrier) -> dict:  # noqa: ANN001
                 if in_place:
                     pass
                 elif job.block_major:  # each block one run: one memcpy per batch
+                    assert pool is not None
                     copy(pool.blocks[sr.start:sr.stop], src[i0:i0 + m])
                 else:
                     copy(pool.raw[:, sr.start:sr.stop], src_l[:, i0:i0 + m])
@@ -166,9 +182,9 @@ def _worker(job: Job, barrier) -> dict:  # noqa: ANN001
                 if job.pipeline:
                     if pending is not None:
                         _store_done(pending.result(), d)
-                    pending = executor.submit(sess.store, h, keys[i0:i0 + m], sr, parent=parent)
+                    pending = executor.submit(sess.store, h_put, keys[i0:i0 + m], sr, parent=parent)
                 else:
-                    _store_done(sess.store(h, keys[i0:i0 + m], sr, parent=parent), d)
+                    _store_done(sess.store(h_put, keys[i0:i0 + m], sr, parent=parent), d)
                 d["rpc"] += time.perf_counter() - c1
             if pending is not None:
                 w0 = time.perf_counter()
@@ -215,7 +231,8 @@ def _worker(job: Job, barrier) -> dict:  # noqa: ANN001
                     finish(ld, m)
                     d["rpc"] += time.perf_counter() - r0
                 t1 = time.perf_counter()
-                dst[:] = pool.blocks                            # for the check, untimed
+                if pool is not None:
+                    dst[:] = pool.blocks                        # for the check, untimed
                 return t0, t1, d
             nxt = start(0)
             for k in range(len(starts)):
@@ -243,7 +260,8 @@ def _worker(job: Job, barrier) -> dict:  # noqa: ANN001
             sess.clear(h)
 
         def reset_for_get() -> None:
-            pool.raw[:] = 0
+            if pool is not None:
+                pool.raw[:] = 0
 
         executor = None
         if job.pipeline:
@@ -312,9 +330,11 @@ def _worker(job: Job, barrier) -> dict:  # noqa: ANN001
         if job.system.startswith("kvtier"):
             if executor is not None:
                 executor.shutdown()
-            sess.unregister_pool(h)
+            for handle in {h.pool_id: h, h_put.pool_id: h_put}.values():
+                sess.unregister_pool(handle)
             sess.close()
-            pool.close()
+            if pool is not None:
+                pool.close()
     res["block_bytes"] = bb
     return res
 
@@ -379,6 +399,8 @@ def main() -> None:
                          "layer-major (kvtier's pool file format: a block is one run per layer)")
     ap.add_argument("--no-in-place", action="store_true",
                     help="skip the in-place rows (the blocks live in the client's pool: no copies)")
+    ap.add_argument("--no-process", action="store_true",
+                    help="skip the process-pool rows (the client's own arrays registered as pools)")
     ap.add_argument("--copy-threads", type=int, default=1,
                     help="threads a kvtier client copies into/out of its pool with (default 1)")
     ap.add_argument("--detail", action="store_true", help="print where the time goes")
@@ -414,7 +436,12 @@ def main() -> None:
             blocks = -(-int(ws_mib * MiB) // (bb * batch)) * batch   # whole batches, >= ws
             for c in clients:
                 rows = {}
-                systems = ("kvtier", "redis") if a.no_in_place or not pipeline else ("kvtier", "kvtier-in-place", "redis")
+                systems = ["kvtier"]
+                if pipeline and not a.no_in_place:
+                    systems.append("kvtier-in-place")
+                if pipeline and not a.no_process:
+                    systems.append("kvtier-process")
+                systems.append("redis")
                 for system in systems:
                     tgt = target if system.startswith("kvtier") else f"{a.redis_port}|{target}"
                     rows[system] = run(system, tgt, c, batch, blocks, reps, pipeline, a.seed,
@@ -436,11 +463,13 @@ def main() -> None:
                       f"kvtier_to_redis put={k['put'][0] / r['put'][0]:.2f} get={k['get'][0] / r['get'][0]:.2f}"
                       f"  ({blocks} blocks = {blocks * bb / MiB:.0f} MiB per client, layers={g.layers})",
                       flush=True)
-                if "kvtier-in-place" in rows:
-                    k = rows["kvtier-in-place"]
-                    print(f"ratio  block={human(bb):7s} clients={c} batch={batch:<3d} "
-                          f"kvtier_in_place_to_redis put={k['put'][0] / r['put'][0]:.2f} "
-                          f"get={k['get'][0] / r['get'][0]:.2f}", flush=True)
+                for system in ("kvtier-in-place", "kvtier-process"):
+                    if system in rows:
+                        k = rows[system]
+                        name = system.replace("-", "_")
+                        print(f"ratio  block={human(bb):7s} clients={c} batch={batch:<3d} "
+                              f"{name}_to_redis put={k['put'][0] / r['put'][0]:.2f} "
+                              f"get={k['get'][0] / r['get'][0]:.2f}", flush=True)
 
     t = time.monotonic()
     measure(batches, float(a.ws), a.reps, not a.no_pipeline)

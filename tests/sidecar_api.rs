@@ -830,6 +830,136 @@ async fn pools_in_engine_layouts_register_and_load_bit_exact() {
     sidecar.stop().await;
 }
 
+/// A process pool (the engine's own memory, no shared file) in each engine layout: blocks
+/// stored from it come back bit-exact into other slots of it, written by the sidecar with
+/// process_vm_writev; buffers the process has not mapped, or that do not hold the layout, are
+/// refused at registration; memory freed under a registered pool fails that request with
+/// FAILED_PRECONDITION, and the sidecar serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn process_pools_move_the_engines_own_memory_bit_exact() {
+    use kvtier_store::{Prefault, ShmRegion};
+    let sidecar = Sidecar::start(|_| {}).await;
+    let g = geometry();
+    let slots = 32;
+    let buffer = |m: &ShmRegion| proto::ProcessMemory {
+        buffers: vec![proto::ProcessBuffer {
+            address: m.dma_address(0, m.len()).unwrap() as u64,
+            size_bytes: m.len() as u64,
+        }],
+    };
+    for kind in LayoutKind::ALL {
+        let mut client = Client::connect(&sidecar.target, "process-engine").await.unwrap();
+        let layout = PoolLayout::of_kind(kind, &g, slots, 0);
+        let bytes = PoolLayout::kind_bytes(&g, slots, 0) as usize;
+        // The engine's memory, which no other process maps (MAP_PRIVATE | MAP_ANONYMOUS); the
+        // same layout over a shared file lets the test's pool accessors check it.
+        let memory = ShmRegion::create_private("engine", bytes, Prefault::Populate).unwrap();
+        let handle = client
+            .register_process_pool(buffer(&memory), slots, Some(&layout), "m", 0, 1)
+            .await
+            .unwrap();
+        let tokens: Vec<u32> = (0..16 * 8).map(|t| t * 17 + kind as u32).collect();
+        let keys = handle.keys("", &tokens).unwrap();
+        let view = CpuDevicePool::create_with_layout(None, g, slots, layout.clone(), bytes).unwrap();
+        write_kv(&view, &keys, 0);
+        memory.write(0, &read_all(view.region())).unwrap();
+        let stored = client
+            .store(&handle, "", None, &Engine::slots(&keys, 0))
+            .await
+            .unwrap();
+        assert_eq!(stored.stored_blocks, 8, "{kind}");
+        memory.fill(0, bytes, 0).unwrap();
+        let out = client
+            .load_all(&handle, "", &Engine::slots(&keys, 16), None)
+            .await
+            .unwrap();
+        assert_eq!(out.done.loaded_blocks, 8, "{kind}");
+        view.region().write(0, &read_all(&memory)).unwrap();
+        assert_eq!(first_wrong_kv(&view, &keys, 16), None, "{kind}");
+        assert!(read_all(&memory).iter().filter(|&&b| b != 0).count() > 0);
+        drop(client);
+    }
+
+    let mut client = Client::connect(&sidecar.target, "process-engine").await.unwrap();
+    let memory = ShmRegion::create_private(
+        "engine",
+        PoolLayout::kind_bytes(&g, slots, 0) as usize,
+        Prefault::Populate,
+    )
+    .unwrap();
+    // One slot more than the buffer holds; memory this process has not mapped.
+    let err = client
+        .register_process_pool(buffer(&memory), slots + 1, None, "m", 0, 1)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, kvtier_client::ClientError::Status(s) if s.code() == Code::InvalidArgument
+        && s.message().contains("past the end of buffer 0")),
+        "{err}"
+    );
+    let unmapped = proto::ProcessMemory {
+        buffers: vec![proto::ProcessBuffer {
+            address: 4096,
+            size_bytes: memory.len() as u64,
+        }],
+    };
+    let err = client
+        .register_process_pool(unmapped, slots, None, "m", 0, 1)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, kvtier_client::ClientError::Status(s) if s.code() == Code::FailedPrecondition
+        && s.message().contains("not mapped")),
+        "{err}"
+    );
+    // Memory taken away under a registered pool (made inaccessible, as freed memory is, but
+    // kept reserved so that nothing else of this test process is mapped there): that load
+    // fails, the sidecar serves on.
+    let handle = client
+        .register_process_pool(buffer(&memory), slots, None, "m", 0, 1)
+        .await
+        .unwrap();
+    let keys = handle.keys("", &(0..16 * 2).collect::<Vec<u32>>()).unwrap();
+    assert_eq!(
+        client
+            .store(&handle, "", None, &Engine::slots(&keys, 0))
+            .await
+            .unwrap()
+            .stored_blocks,
+        2
+    );
+    // SAFETY: the range is the region's own mapping; nothing reads it until it is unmapped.
+    let r = unsafe {
+        libc::mprotect(
+            memory.dma_address(0, memory.len()).unwrap().cast(),
+            memory.len(),
+            libc::PROT_NONE,
+        )
+    };
+    assert_eq!(r, 0);
+    let err = client
+        .load_all(&handle, "", &Engine::slots(&keys, 2), None)
+        .await
+        .unwrap_err();
+    assert_eq!(code(err), Code::FailedPrecondition);
+    let mut other = engine(&sidecar, 4).await;
+    let keys = other.handle.keys("", &(0..16 * 2).collect::<Vec<u32>>()).unwrap();
+    other.write(&keys, 0);
+    let st = other
+        .client
+        .store(&other.handle, "", None, &Engine::slots(&keys, 0))
+        .await
+        .unwrap();
+    assert_eq!(st.stored_blocks, 2);
+    sidecar.stop().await;
+}
+
+fn read_all(region: &kvtier_store::ShmRegion) -> Vec<u8> {
+    let mut v = vec![0u8; region.len()];
+    region.read(0, &mut v).unwrap();
+    v
+}
+
 /// A pool of two KV cache groups (vLLM's hybrid KV cache manager: layer 1 in group 1, over
 /// the same memory as layer 0): a block is stored from, and loaded into, each layer's own
 /// group's slot, none into a group's NO_SLOT; requests that do not name the groups' slots

@@ -34,6 +34,10 @@ LayoutLike = Sequence[tuple[int, ...]]
 NO_SLOT = 0xFFFFFFFF
 #: A GPU buffer: ``(ipc_handle, offset_bytes, size_bytes)``.
 CudaBufferLike = tuple[bytes, int, int]
+#: Memory of this process's own: a C-contiguous, writable numpy array (or anything with the
+#: buffer protocol), or ``(address, size_bytes)`` (a torch CPU tensor's ``data_ptr()`` and
+#: ``untyped_storage().nbytes()``).
+ProcessBufferLike = Union[np.ndarray, memoryview, tuple[int, int]]
 
 
 def pool_layout(layout: LayoutLike | None) -> pb.PoolLayout | None:
@@ -55,12 +59,13 @@ class PoolRegistration:
     """A RegisterPool request and what its handle is made of once the sidecar answers."""
 
     def __init__(self, request: pb.RegisterPoolRequest, namespace: Namespace, num_slots: int,
-                 mapped: CpuPool | None) -> None:
+                 mapped: CpuPool | None, memory: tuple[Any, ...] = ()) -> None:
         self.request, self.namespace, self.num_slots, self.mapped = request, namespace, num_slots, mapped
+        self.memory = memory
 
     def handle(self, r: pb.RegisterPoolResponse) -> PoolHandle:
         return PoolHandle(r.pool_id, self.request.session_id, self.namespace, self.num_slots,
-                          int.from_bytes(r.namespace_fingerprint, "little"), self.mapped)
+                          int.from_bytes(r.namespace_fingerprint, "little"), self.mapped, self.memory)
 
 
 def cpu_registration(session_id: int, session_geometry: Geometry, pool: CpuPool | str | os.PathLike[str],
@@ -98,6 +103,56 @@ def cuda_registration(session_id: int, geometry: Geometry, buffers: Sequence[Cud
         layout=pool_layout(layout),
     )
     return PoolRegistration(req, Namespace(model_id, geometry, tp_rank, tp_size), num_slots, None)
+
+
+def process_buffer(i: int, buf: ProcessBufferLike) -> tuple[int, int]:
+    """``(address, size_bytes)`` of a process-pool buffer (ValueError naming it if the sidecar
+    could not write into it as one run)."""
+    if isinstance(buf, tuple):
+        if len(buf) != 2 or not all(isinstance(x, int) and x > 0 for x in buf):
+            raise ValueError(f"buffers[{i}] = {buf!r}: expected (address, size_bytes), both positive")
+        return buf
+    a = np.asarray(buf)
+    if not a.flags.c_contiguous:
+        raise ValueError(f"buffers[{i}]: not C-contiguous (a process pool's buffer is one run of memory)")
+    if not a.flags.writeable:
+        raise ValueError(f"buffers[{i}]: read-only (loads write into a pool's buffers)")
+    if a.nbytes == 0:
+        raise ValueError(f"buffers[{i}]: empty")
+    return a.ctypes.data, a.nbytes
+
+
+def process_registration(session_id: int, geometry: Geometry, buffers: Sequence[ProcessBufferLike],
+                         layout: LayoutLike | None, model_id: str, num_slots: int, tp_rank: int,
+                         tp_size: int) -> PoolRegistration:
+    """RegisterPool of memory of this process's own (the sidecar reaches it by this process's
+    pid, which it reads off the Unix socket)."""
+    spans = [process_buffer(i, b) for i, b in enumerate(buffers)]
+    req = pb.RegisterPoolRequest(
+        session_id=session_id, model_id=model_id, geometry=geometry.to_proto(), num_slots=num_slots,
+        tp_rank=tp_rank, tp_size=tp_size,
+        process=pb.ProcessMemory(buffers=[pb.ProcessBuffer(address=a, size_bytes=n) for a, n in spans]),
+        layout=pool_layout(layout),
+    )
+    # The handle keeps the buffers alive while the pool is registered.
+    return PoolRegistration(req, Namespace(model_id, geometry, tp_rank, tp_size), num_slots, None,
+                            tuple(buffers))
+
+
+def allow_sidecar(sidecar_pid: int) -> None:
+    """Where Yama's ptrace_scope is 1, lets the sidecar (and only it) reach this process's memory
+    (prctl(PR_SET_PTRACER)); elsewhere nothing is changed (scope 0 needs no leave; 2 and 3 allow
+    no leave: the registration then says so)."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            if f.read().strip() != "1":
+                return
+    except OSError:
+        return
+    import ctypes
+    PR_SET_PTRACER = 0x59616D61
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(sidecar_pid), 0, 0, 0)
 
 
 def pool_id(pool: PoolRef) -> int:

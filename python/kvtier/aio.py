@@ -26,7 +26,7 @@ import numpy as np
 from . import _wire
 from ._proto import kvtier_pb2 as pb
 from ._proto import kvtier_pb2_grpc as pb_grpc
-from ._wire import CudaBufferLike, LayoutLike, PoolRef, SlotsLike
+from ._wire import CudaBufferLike, LayoutLike, PoolRef, ProcessBufferLike, SlotsLike
 from .client import channel_config
 from .errors import KvtierError, SessionClosed, Unavailable, from_rpc_error
 from .geometry import Geometry
@@ -183,6 +183,7 @@ class AsyncSession:
             raise KvtierError(f"the session stream began with {first.WhichOneof('event')!r}, not opened")
         self.id = first.opened.session_id
         self.geometry = Geometry.from_proto(first.opened.geometry)
+        self.sidecar_pid = first.opened.sidecar_pid
         self._task = asyncio.get_running_loop().create_task(self._pump())
         return self
 
@@ -257,6 +258,15 @@ class AsyncSession:
         """See :meth:`kvtier.Session.register_cuda_pool`."""
         reg = _wire.cuda_registration(self.id, self.geometry, buffers, layout, model_id, num_slots,
                                       device_ordinal, device_uuid, tp_rank, tp_size)
+        return reg.handle(await self._unary("RegisterPool", reg.request))
+
+    async def register_process_pool(self, buffers: Sequence[ProcessBufferLike], model_id: str, *, num_slots: int,
+                                    layout: LayoutLike | None = None, tp_rank: int = 0,
+                                    tp_size: int = 1) -> PoolHandle:
+        """See :meth:`kvtier.Session.register_process_pool`."""
+        reg = _wire.process_registration(self.id, self.geometry, buffers, layout, model_id, num_slots,
+                                         tp_rank, tp_size)
+        _wire.allow_sidecar(self.sidecar_pid)
         return reg.handle(await self._unary("RegisterPool", reg.request))
 
     async def unregister_pool(self, pool: PoolRef) -> None:

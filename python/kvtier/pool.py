@@ -62,6 +62,15 @@ def decode_header(header: bytes) -> tuple[Geometry, int]:
     return Geometry(layers, kv_heads, head_dim, dtype_name(dtype), block_tokens), slots
 
 
+def block_major_layout(geometry: Geometry) -> list[tuple[int, int, int, int, int]]:
+    """The layout of blocks kept ``[slot][layer]`` in buffer 0 (each block one run, each
+    block-layer ``[K|V][token][head][dim]``): per layer ``(k_buffer, k_offset, v_buffer,
+    v_offset, slot_stride)`` in bytes. A block-major :class:`CpuPool` is laid out so; so is a
+    ``(slots, block bytes)`` array registered with :meth:`kvtier.Session.register_process_pool`."""
+    B, L = geometry.block_layer_bytes, geometry.layers
+    return [(0, layer * B, 0, layer * B + B // 2, L * B) for layer in range(L)]
+
+
 def default_path() -> Path:
     """A fresh file name under /dev/shm (or the temp dir where there is no /dev/shm)."""
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(os.environ.get("TMPDIR", "/tmp"))
@@ -100,8 +109,7 @@ class CpuPool:
                 1, 0, 2, 3, 4, 5)
             #: The layout the sidecar is given: per layer (k_buffer, k_offset, v_buffer,
             #: v_offset, slot_stride) in bytes; None for the header format.
-            self.layout: list[tuple[int, ...]] | None = [
-                (0, layer * B, 0, layer * B + B // 2, g.layers * B) for layer in range(g.layers)]
+            self.layout: list[tuple[int, ...]] | None = block_major_layout(g)
         else:
             self.raw = data.reshape(g.layers, num_slots, B)
             """The KV bytes as ``(layers, slots, block-layer bytes)`` uint8 (a view)."""

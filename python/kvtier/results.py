@@ -49,6 +49,8 @@ class PoolHandle:
     fingerprint: int
     #: The mapped pool, when registered from a :class:`CpuPool`.
     pool: Optional[CpuPool] = field(default=None, compare=False, repr=False)
+    #: A process pool's buffers, kept alive while the handle is.
+    memory: tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def geometry(self) -> Geometry:

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _wire
 from ._proto import kvtier_pb2 as pb
-from ._wire import CudaBufferLike, LayoutLike, PoolRef, SlotsLike
+from ._wire import CudaBufferLike, LayoutLike, PoolRef, ProcessBufferLike, SlotsLike
 from .errors import KvtierError, SessionClosed, from_rpc_error
 from .geometry import Geometry
 from .keys import BlockKeys, KeysLike
@@ -119,6 +119,8 @@ class Session:
         self.id: int = first.opened.session_id
         #: The KV geometry this sidecar serves (pools must match it).
         self.geometry: Geometry = Geometry.from_proto(first.opened.geometry)
+        #: The sidecar's process id (0 from a sidecar older than process pools).
+        self.sidecar_pid: int = first.opened.sidecar_pid
         #: Unix milliseconds of the last heartbeat (0 before the first).
         self.last_heartbeat_ms = 0
         self._closing = False
@@ -227,6 +229,40 @@ class Session:
         fit raises :class:`~kvtier.errors.InvalidArgument` naming the field."""
         reg = _wire.cuda_registration(self.id, self.geometry, buffers, layout, model_id, num_slots,
                                       device_ordinal, device_uuid, tp_rank, tp_size)
+        h = reg.handle(self._unary("RegisterPool", reg.request))
+        self._pools[h.pool_id] = h
+        return h
+
+    def register_process_pool(
+        self,
+        buffers: Sequence[ProcessBufferLike],
+        model_id: str,
+        *,
+        num_slots: int,
+        layout: LayoutLike | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> PoolHandle:
+        """Registers KV in this process's own memory: no shared file, nothing to copy in or out.
+        The sidecar writes loads straight into ``buffers`` and reads stores straight out of them
+        (Linux cross-memory attach: ``process_vm_writev`` / ``process_vm_readv``), reaching this
+        process by the pid at the other end of its Unix socket (a session over TCP raises
+        :class:`~kvtier.errors.FailedPrecondition`).
+
+        ``buffers``: C-contiguous writable numpy arrays, or ``(address, size_bytes)`` pairs (a
+        torch CPU tensor: ``(t.data_ptr(), t.untyped_storage().nbytes())``); the handle keeps the
+        arrays alive while the pool is registered, and ``(address, size)`` memory must be kept
+        by the caller. ``layout``: as for :meth:`register_pool` (default: kvtier's
+        ``[layer][slot]`` block-layers from the start of buffer 0;
+        :func:`kvtier.pool.block_major_layout` gives ``[slot][layer]``).
+
+        The sidecar needs ptrace-level access to this process: the same user (or
+        CAP_SYS_PTRACE). Where Yama's ptrace_scope is 1 this call first allows the sidecar, and
+        only it, with ``prctl(PR_SET_PTRACER)``; without access the sidecar raises
+        :class:`~kvtier.errors.FailedPrecondition` saying what would allow it."""
+        reg = _wire.process_registration(self.id, self.geometry, buffers, layout, model_id, num_slots,
+                                         tp_rank, tp_size)
+        _wire.allow_sidecar(self.sidecar_pid)
         h = reg.handle(self._unary("RegisterPool", reg.request))
         self._pools[h.pool_id] = h
         return h

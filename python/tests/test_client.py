@@ -339,6 +339,91 @@ def test_cuda_pool_needs_a_layout_and_says_why_cuda_is_missing(session: kvtier.S
     assert "CUDA" in e.value.message or "cuda.buffers[0].ipc_handle" in e.value.message
 
 
+def test_process_pools_are_this_processs_own_memory(session: kvtier.Session, sidecar: Sidecar) -> None:
+    """Plain numpy arrays (no shared file) registered as pools: the sidecar reads stores out of
+    them and writes loads into them itself, bit-exact, in kvtier's layer-major order and
+    block-major; bad buffers are refused before anything is sent or by the sidecar, naming
+    what is wrong."""
+    g = GEOMETRY
+    assert session.sidecar_pid == sidecar.process.pid
+    rng = np.random.default_rng(5)
+    blocks = rng.integers(0, 256, size=(8, g.block_bytes), dtype=np.uint8)  # [slot][layer] rows
+    src = session.register_process_pool([blocks], "process", num_slots=8,
+                                        layout=kvtier.pool.block_major_layout(g))
+    keys = src.keys(list(range(3000, 3000 + 8 * g.block_tokens)))
+    assert session.store(src, keys, range(8)).stored_blocks == 8
+
+    into = np.zeros((16, g.block_bytes), dtype=np.uint8)
+    h = session.register_process_pool([into], "process", num_slots=16, layout=kvtier.pool.block_major_layout(g))
+    assert h.memory[0] is into  # kept alive while registered
+    assert session.load_wait(h, keys, range(4, 12)).loaded_blocks == 8
+    assert np.array_equal(into[4:12], blocks) and not into[:4].any() and not into[12:].any()
+    # The default layout: kvtier's [layer][slot] block-layers.
+    layered = np.zeros((g.layers, 8, g.block_layer_bytes), dtype=np.uint8)
+    lh = session.register_process_pool([layered], "process", num_slots=8)
+    assert session.load_wait(lh, keys, range(8)).loaded_blocks == 8
+    assert np.array_equal(layered.transpose(1, 0, 2).reshape(8, -1), blocks)
+    session.unregister_pool(lh)
+
+    with pytest.raises(ValueError, match=r"buffers\[0\]: not C-contiguous"):
+        session.register_process_pool([layered[:, ::2]], "process", num_slots=1)
+    ro = np.zeros(g.layers * g.block_layer_bytes, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        session.register_process_pool([ro], "process", num_slots=1)
+    with pytest.raises(kvtier.InvalidArgument, match="past the end of buffer 0"):
+        session.register_process_pool([layered], "process", num_slots=9)
+    # An address this process has not mapped (page 1).
+    with pytest.raises(kvtier.FailedPrecondition, match="not mapped"):
+        session.register_process_pool([(4096, layered.nbytes)], "process", num_slots=8)
+
+    # Memory taken away under a registered pool (PROT_NONE, as freed memory is to the kernel,
+    # but still reserved, so nothing else of this process lands there): that load fails, the
+    # pool's others and the sidecar go on.
+    mm = mmap.mmap(-1, layered.nbytes)
+    view = np.frombuffer(mm, np.uint8)
+    address = view.ctypes.data
+    gone = session.register_process_pool([(address, layered.nbytes)], "process", num_slots=8)
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mprotect(ctypes.c_void_p(address), ctypes.c_size_t(layered.nbytes), 0) == 0
+    with pytest.raises(kvtier.FailedPrecondition, match="not mapped"):
+        session.load_wait(gone, keys, range(8))
+    assert libc.mprotect(ctypes.c_void_p(address), ctypes.c_size_t(layered.nbytes), 3) == 0
+    session.unregister_pool(gone)
+    del view
+    mm.close()
+    into[:] = 0
+    assert session.load_wait(h, keys, range(8)).loaded_blocks == 8 and np.array_equal(into[:8], blocks)
+
+
+def test_process_pools_need_the_unix_socket(big_sidecar: tuple[Sidecar, int]) -> None:
+    _, port = big_sidecar
+    with kvtier.Client(f"http://127.0.0.1:{port}", auth_token=TOKEN) as c, kvtier.Session(c, "tcp") as s:
+        memory = np.zeros((2, s.geometry.block_bytes), np.uint8)
+        with pytest.raises(kvtier.FailedPrecondition, match="Unix socket"):
+            s.register_process_pool([memory], "process", num_slots=2,
+                                    layout=kvtier.pool.block_major_layout(s.geometry))
+
+
+async def _aio_process_pool(target: str) -> None:
+    async with await kvtier.aio.connect(target, "aio-process") as s:
+        blocks = np.arange(2 * s.geometry.block_bytes, dtype=np.uint64).astype(np.uint8).reshape(2, -1)
+        h = await s.register_process_pool([blocks], "aio-process", num_slots=2,
+                                          layout=kvtier.pool.block_major_layout(s.geometry))
+        keys = h.keys(list(range(2 * s.geometry.block_tokens)))
+        assert (await s.store(h, keys, range(2))).stored_blocks == 2
+        out = np.zeros_like(blocks)
+        o = await s.register_process_pool([out], "aio-process", num_slots=2,
+                                          layout=kvtier.pool.block_major_layout(s.geometry))
+        assert (await s.load_wait(o, keys, range(2))).loaded_blocks == 2
+        assert np.array_equal(out, blocks) and s.sidecar_pid > 0
+
+
+def test_asyncio_process_pool(sidecar: Sidecar) -> None:
+    asyncio.run(_aio_process_pool(sidecar.target))
+
+
 def test_engine_memory_registers_by_path_with_its_layout(session: kvtier.Session, tmp_path: Path) -> None:
     """A shared file without kvtier's header (an engine's own KV, here vLLM's [2, blocks, ...]
     per layer) registers with its layout: store from it, zero it, load back bit-exact; without
@@ -613,11 +698,16 @@ def test_sidecar_shutting_down_is_unavailable(tmp_path: Path) -> None:
 # --- a client killed mid-load --------------------------------------------------------------
 
 CHILD = r"""
-import sys, kvtier
-target, path = sys.argv[1], sys.argv[2]
+import sys, kvtier, numpy as np
+target, path, kind = sys.argv[1], sys.argv[2], sys.argv[3]
 s = kvtier.connect(target, "doomed")
-pool = kvtier.CpuPool.create(s.geometry, 512, path)
-h = s.register_pool(pool, "killed-mid-load")
+if kind == "process":  # the sidecar writes into this process's own memory
+    memory = np.zeros((512, s.geometry.block_bytes), np.uint8)
+    h = s.register_process_pool([memory], "killed-mid-load", num_slots=512,
+                                layout=kvtier.pool.block_major_layout(s.geometry))
+else:
+    pool = kvtier.CpuPool.create(s.geometry, 512, path)
+    h = s.register_pool(pool, "killed-mid-load")
 keys = h.keys(list(range(512 * s.geometry.block_tokens)))
 s.store(h, keys, range(512))
 s.pin(h, keys[:100])
@@ -628,11 +718,12 @@ sys.stdin.read()
 """
 
 
-def test_client_killed_mid_load_leaks_nothing(big_sidecar: tuple[Sidecar, int], tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["shm", "process"])
+def test_client_killed_mid_load_leaks_nothing(big_sidecar: tuple[Sidecar, int], tmp_path: Path, kind: str) -> None:
     sc, _ = big_sidecar
     client = kvtier.Client(sc.target)
     base = client.stats()
-    child = subprocess.Popen([sys.executable, "-c", CHILD, sc.target, str(tmp_path / "child-pool")],
+    child = subprocess.Popen([sys.executable, "-c", CHILD, sc.target, str(tmp_path / "child-pool"), kind],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None

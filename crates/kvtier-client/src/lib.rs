@@ -186,6 +186,42 @@ impl Client {
             .await
     }
 
+    /// Registers an engine's KV in this process's own memory (`process.buffers`: each
+    /// allocation's address and size), laid out as `layout` says (`None`: kvtier's
+    /// `[layer][slot]` block-layers from the start of buffer 0). The sidecar copies to and from
+    /// it with `process_vm_writev` / `process_vm_readv`, reaching this process by the pid at the
+    /// other end of the Unix socket; the memory must stay allocated while the pool is
+    /// registered.
+    ///
+    /// # Errors
+    /// The sidecar's status: FAILED_PRECONDITION over TCP, where it may not reach this
+    /// process's memory (the message says what would allow it) or for an address not mapped;
+    /// INVALID_ARGUMENT naming the field that does not fit.
+    ///
+    /// # Cancel safety
+    /// As [`Client::register_cpu_pool`].
+    pub async fn register_process_pool(
+        &mut self,
+        process: proto::ProcessMemory,
+        num_slots: u32,
+        layout: Option<&kvtier_core::PoolLayout>,
+        model_id: &str,
+        tp_rank: u32,
+        tp_size: u32,
+    ) -> Result<PoolHandle, ClientError> {
+        let location = proto::register_pool_request::Location::Process(process);
+        let slots = (self.geometry, num_slots);
+        self.register(
+            location,
+            layout.map(Into::into),
+            slots,
+            model_id,
+            tp_rank,
+            tp_size,
+        )
+        .await
+    }
+
     async fn register(
         &mut self,
         location: proto::register_pool_request::Location,

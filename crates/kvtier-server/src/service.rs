@@ -20,7 +20,8 @@ use kvtier_proto::{
 use kvtier_store::Removed;
 use kvtier_transfer::{
     CpuDevicePool, DevicePool, Durability, EventSink, GroupedSlots, InflightBlocks, LoadBlock, LoadEvent,
-    LoadHandle, PersistReport, Route, StoreBlock, StoreEvent, StoreReport, TransferError, TransferTiming,
+    LoadHandle, PersistReport, ProcessBuffer, ProcessDevicePool, Route, StoreBlock, StoreEvent, StoreReport,
+    TransferError, TransferTiming,
 };
 use metrics::{counter, histogram};
 use tokio::sync::{broadcast, mpsc};
@@ -360,6 +361,7 @@ impl KvTier for KvTierService {
                 event: Some(proto::session_event::Event::Opened(proto::SessionOpened {
                     session_id: guard.id(),
                     geometry: Some(self.state.geometry.into()),
+                    sidecar_pid: std::process::id(),
                 })),
             };
             tx.try_send(Ok(opened)).map_err(|_| ServerError::ShuttingDown)?;
@@ -416,6 +418,12 @@ impl KvTier for KvTierService {
     ) -> Result<Response<proto::RegisterPoolResponse>, Status> {
         observed("RegisterPool", async {
             self.refuse_if_shutting_down()?;
+            // The process at the other end of the Unix socket (a process pool's memory).
+            let peer_pid = request
+                .extensions()
+                .get::<tonic::transport::server::UdsConnectInfo>()
+                .and_then(|c| c.peer_cred)
+                .and_then(|c| c.pid());
             let r = request.into_inner();
             self.state.sessions.check(r.session_id)?;
             let claimed = geometry_from_proto(r.geometry.as_ref())?;
@@ -473,9 +481,43 @@ impl KvTier for KvTierService {
                     );
                     Arc::new(pool)
                 }
+                Some(proto::register_pool_request::Location::Process(process)) => {
+                    let pid = match peer_pid {
+                        Some(p) if p > 0 => p as u32,
+                        // The kernel reports 0 for a peer outside the sidecar's PID namespace.
+                        Some(_) => {
+                            return Err(ServerError::Unsupported(
+                                "the engine's process is not visible from the sidecar's PID namespace (another \
+                                 container?): share the process namespace (a pod's shareProcessNamespace) for a \
+                                 process pool, or register a shared-memory pool"
+                                    .into(),
+                            ));
+                        }
+                        None => {
+                            return Err(ServerError::Unsupported(
+                                "a process pool is registered over the sidecar's Unix socket (the process at its \
+                                 other end is the one whose memory the pool is); over TCP register a shared-memory \
+                                 pool"
+                                    .into(),
+                            ));
+                        }
+                    };
+                    let buffers = process
+                        .buffers
+                        .iter()
+                        .map(|b| ProcessBuffer {
+                            address: b.address,
+                            bytes: b.size_bytes,
+                        })
+                        .collect();
+                    let pool =
+                        blocking(move || Ok(ProcessDevicePool::open(pid, buffers, claimed, num_slots, layout)?)).await?;
+                    tracing::info!(session = r.session_id, pid, "process pool opened");
+                    Arc::new(pool)
+                }
                 _ => {
                     return Err(ServerError::InvalidArgument(
-                        "give shm_path (a CPU pool) or cuda (a GPU pool)".into(),
+                        "give shm_path (a CPU pool), cuda (a GPU pool) or process (memory of the engine's own)".into(),
                     ));
                 }
             };

@@ -3,7 +3,8 @@
 //! - [`DevicePool`]: the engine's paged KV memory, described by a [`kvtier_core::PoolLayout`]
 //!   and copied in batches of one layer ([`DevicePool::submit`], completing through a
 //!   [`CopyTicket`]); [`CpuDevicePool`] is the shared-memory one (kvtier's pool file, or any
-//!   layout), created by the engine and opened by the sidecar by path. [`GroupedSlots`] puts a
+//!   layout), created by the engine and opened by the sidecar by path; [`ProcessDevicePool`]
+//!   is memory of the engine's own, reached with cross-memory attach. [`GroupedSlots`] puts a
 //!   request on a pool of several KV cache groups (a slot per block per group) before the
 //!   queues.
 //! - [`TransferQueues`]: the full-duplex pair — [`LoadQueue`] (host → device, layer by layer,
@@ -20,6 +21,7 @@ mod error;
 mod event_sink;
 mod grouped_slots;
 mod load_queue;
+mod process_pool;
 mod queue_core;
 mod route;
 mod store_queue;
@@ -41,6 +43,7 @@ pub use error::TransferError;
 pub use event_sink::EventSink;
 pub use grouped_slots::{GroupedSlots, NO_SLOT};
 pub use load_queue::{InflightBlocks, LoadBlock, LoadEvent, LoadHandle, LoadQueue, LoadReport, LoadTicket};
+pub use process_pool::{ProcessBuffer, ProcessDevicePool};
 pub use queue_core::QueueStats;
 pub use route::{Route, RouteFigures, RouteStats};
 pub use store_queue::{

@@ -178,3 +178,32 @@ fn the_cpu_pool_keeps_the_pool_contract_in_every_layout() {
         assert!(failed.is_empty(), "{kind}: {failed:?}");
     }
 }
+
+/// The device pool contract on the process-memory pool (this test process's own memory, reached
+/// through process_vm_readv/writev as the sidecar reaches an engine's), in each engine's layout.
+#[test]
+fn the_process_pool_keeps_the_pool_contract_in_every_layout() {
+    use kvtier_core::{LayoutKind, PoolLayout};
+    use kvtier_store::{Prefault, ShmRegion};
+    use kvtier_transfer::pool_conformance::run_pool_checks;
+    use kvtier_transfer::{ProcessBuffer, ProcessDevicePool};
+    let g = conformance::geometry();
+    for kind in LayoutKind::ALL {
+        let bytes = PoolLayout::kind_bytes(&g, 24, 0) as usize;
+        let memory = ShmRegion::create_private("engine", bytes, Prefault::Populate).unwrap();
+        let buffers = vec![ProcessBuffer {
+            address: memory.dma_address(0, bytes).unwrap() as u64,
+            bytes: bytes as u64,
+        }];
+        let pool = ProcessDevicePool::open(
+            std::process::id(),
+            buffers,
+            g,
+            24,
+            Some(PoolLayout::of_kind(kind, &g, 24, 0)),
+        )
+        .unwrap();
+        let failed = run_pool_checks(&pool);
+        assert!(failed.is_empty(), "{kind}: {failed:?}");
+    }
+}

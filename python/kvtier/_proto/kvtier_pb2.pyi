@@ -64,12 +64,14 @@ class BlocksRemoved(_message.Message):
     def __init__(self, keys: _Optional[bytes] = ..., cleared: _Optional[bool] = ..., lost: _Optional[bool] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("session_id", "geometry")
+    __slots__ = ("session_id", "geometry", "sidecar_pid")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_PID_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     geometry: KvGeometry
-    def __init__(self, session_id: _Optional[int] = ..., geometry: _Optional[_Union[KvGeometry, _Mapping]] = ...) -> None: ...
+    sidecar_pid: int
+    def __init__(self, session_id: _Optional[int] = ..., geometry: _Optional[_Union[KvGeometry, _Mapping]] = ..., sidecar_pid: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("unix_ms",)
@@ -92,7 +94,7 @@ class KvGeometry(_message.Message):
     def __init__(self, layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., block_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("session_id", "model_id", "geometry", "num_slots", "tp_rank", "tp_size", "shm_path", "cuda", "layout")
+    __slots__ = ("session_id", "model_id", "geometry", "num_slots", "tp_rank", "tp_size", "shm_path", "cuda", "process", "layout")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +103,7 @@ class RegisterPoolRequest(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     model_id: str
@@ -110,8 +113,9 @@ class RegisterPoolRequest(_message.Message):
     tp_size: int
     shm_path: str
     cuda: CudaPool
+    process: ProcessMemory
     layout: PoolLayout
-    def __init__(self, session_id: _Optional[int] = ..., model_id: _Optional[str] = ..., geometry: _Optional[_Union[KvGeometry, _Mapping]] = ..., num_slots: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda: _Optional[_Union[CudaPool, _Mapping]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[int] = ..., model_id: _Optional[str] = ..., geometry: _Optional[_Union[KvGeometry, _Mapping]] = ..., num_slots: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda: _Optional[_Union[CudaPool, _Mapping]] = ..., process: _Optional[_Union[ProcessMemory, _Mapping]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ...) -> None: ...
 
 class PoolLayout(_message.Message):
     __slots__ = ("layers",)
@@ -138,6 +142,20 @@ class LayerLayout(_message.Message):
     head_stride: int
     group: int
     def __init__(self, k_buffer: _Optional[int] = ..., k_offset: _Optional[int] = ..., v_buffer: _Optional[int] = ..., v_offset: _Optional[int] = ..., slot_stride: _Optional[int] = ..., token_stride: _Optional[int] = ..., head_stride: _Optional[int] = ..., group: _Optional[int] = ...) -> None: ...
+
+class ProcessMemory(_message.Message):
+    __slots__ = ("buffers",)
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    buffers: _containers.RepeatedCompositeFieldContainer[ProcessBuffer]
+    def __init__(self, buffers: _Optional[_Iterable[_Union[ProcessBuffer, _Mapping]]] = ...) -> None: ...
+
+class ProcessBuffer(_message.Message):
+    __slots__ = ("address", "size_bytes")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    address: int
+    size_bytes: int
+    def __init__(self, address: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class CudaPool(_message.Message):
     __slots__ = ("device_ordinal", "device_uuid", "buffers")
