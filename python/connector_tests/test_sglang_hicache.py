@@ -76,12 +76,17 @@ def indices(first_page: int, pages: int) -> torch.Tensor:
     return torch.arange(first_page * PAGE, (first_page + pages) * PAGE, dtype=torch.int64)
 
 
+@pytest.mark.parametrize("kv_path", ["staging", "auto"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_set_exists_get_bit_exact(sidecar: Sidecar, layout: str) -> None:
+def test_set_exists_get_bit_exact(sidecar: Sidecar, layout: str, kv_path: str) -> None:
+    """Pages stored and loaded through a staging pool or (auto) in place: SGLang's host pool
+    registered where it lies, a process pool whose slots are its pages."""
     host = host_pool(layout)
-    b = backend(sidecar, host, cache_salt=layout)
+    b = backend(sidecar, host, cache_salt=f"{layout}-{kv_path}", kv_path=kv_path)
     try:
-        gen = torch.Generator().manual_seed(1)
+        assert (b._direct is not None) == (kv_path == "auto")
+        # Pages of their own: SGLang's page hashes (the keys) do not depend on the salt.
+        gen = torch.Generator().manual_seed(1 if kv_path == "staging" else 11)
         host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=gen).to(torch.bfloat16))
         tokens = torch.randint(0, 50_000, (10 * PAGE,), generator=gen).tolist()
         keys = hashes(tokens)
@@ -98,6 +103,11 @@ def test_set_exists_get_bit_exact(sidecar: Sidecar, layout: str) -> None:
         # A page kvtier does not hold ends the run.
         unknown = hashes([9] * PAGE)
         assert b.batch_get_v1(keys[:2] + unknown + keys[3:4], indices(0, 4)) == [True, True, False, False]
+        # Pages not aligned to whole host pages go through staging (in place too).
+        host.kv_buffer.zero_()
+        assert b.batch_get_v1(keys[:2], indices(0, 2) + PAGE // 2) == [True, True]
+        for i in range(2):
+            assert torch.equal(page(host, i * PAGE + PAGE // 2).view(torch.int16), want[i].view(torch.int16)), i
         assert b.exists(keys[0]) and not b.exists(unknown[0])
         b.clear()
         assert b.batch_exists(keys) == 0
@@ -163,7 +173,7 @@ def test_a_restarted_sidecar_is_reconnected_and_sglang_computes_meanwhile(tmp_pa
     """The sidecar killed under SGLang's cache controller: lookups find nothing and stores and
     loads fail page by page (SGLang computes), nothing raises; a new sidecar on the same
     socket: the backend reopens its session on its own thread, registers its staging pool
-    again, and pages move bit-exact again."""
+    and its host pool in place again, and pages move bit-exact again."""
     first = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
     host = host_pool("layer_first")
     b = backend(first, host, reconnect_interval_s=0.01)
@@ -182,6 +192,7 @@ def test_a_restarted_sidecar_is_reconnected_and_sglang_computes_meanwhile(tmp_pa
         second = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
         assert wait_for(b._session_ok, timeout=30)
         assert b.batch_exists(keys) == 0, "the new sidecar holds nothing yet"
+        assert b._direct is not None, "the host pool in place again"
         assert_pages_round_trip(b, host, keys)
     finally:
         b.close()
@@ -190,15 +201,18 @@ def test_a_restarted_sidecar_is_reconnected_and_sglang_computes_meanwhile(tmp_pa
             second.stop()
 
 
-def test_a_store_that_times_out_keeps_the_staging_pool_and_lands_nothing_late(sidecar: Sidecar) -> None:
+@pytest.mark.parametrize("kv_path", ["staging", "auto"])
+def test_a_store_that_times_out_keeps_the_staging_pool_and_lands_nothing_late(sidecar: Sidecar, kv_path: str) -> None:
     """A store sent to a stopped sidecar times out, which is its not_after too: the sidecar
-    publishes nothing of it even when it reads it once it runs again, so the backend keeps its
-    session and staging pool (before not_after, it had to give the pool up); the pages are not
-    in kvtier, and move bit-exact after."""
+    publishes nothing of it even when it reads it once it runs again (from staging slots or,
+    in place, from SGLang's host pages), so the backend keeps its session and staging pool
+    (before not_after, it had to give the pool up); the pages are not in kvtier, and move
+    bit-exact after."""
     host = host_pool("page_first")
-    b = backend(sidecar, host, store_timeout_s=0.5, reconnect_interval_s=0.05, cache_salt="timeout")
+    b = backend(sidecar, host, store_timeout_s=0.5, reconnect_interval_s=0.05, cache_salt=f"timeout-{kv_path}",
+                kv_path=kv_path)
     try:
-        gen = torch.Generator().manual_seed(4)
+        gen = torch.Generator().manual_seed(4 if kv_path == "staging" else 44)
         host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=gen).to(torch.bfloat16))
         keys = hashes(torch.randint(0, 50_000, (4 * PAGE,), generator=gen).tolist())
         old_pool, old_session = b._pool, b._session

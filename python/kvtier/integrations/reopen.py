@@ -8,13 +8,11 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 
 from ..errors import KvtierError, SessionClosed
-from ..pool import CpuPool
-from ..results import PoolHandle
 from ..session import Session
 
 T = TypeVar("T")
@@ -99,8 +97,9 @@ def held_until(e: Exception, not_after: float) -> float | None:
     return None if answered or time.time() >= not_after else not_after
 
 
-def discard_reopened(made: tuple[Session, CpuPool | None, PoolHandle]) -> None:
-    """Closes a reopened session (and the pool made with it) that came too late to be used."""
+def discard_reopened(made: tuple[Any, ...]) -> None:
+    """Closes a reopened session (and the pool made with it) that came too late to be used:
+    ``(session, pool or None, ...)``, the handles after them registered in that session."""
     made[0].close()
     if made[1] is not None:
         made[1].close()

@@ -10,12 +10,17 @@ SGLang loads it through its dynamic storage backend option::
 
 ``interface_v1`` makes SGLang's cache controller call the page variants
 (:meth:`KvtierHiCacheStorage.batch_get_v1` / :meth:`~KvtierHiCacheStorage.batch_set_v1`),
-which move whole runs of pages per request. SGLang's host pool is ordinary process memory the
-sidecar cannot map, so pages go through a shared-memory staging pool of ``staging_slots``
-pages (default 128, SGLang's storage batch): host pool → staging slots → one ``Store``; one
-``Load`` → staging slots → host pool. The copies reorder each page from SGLang's layout
-(``layer_first`` ``[K|V][layer][token]…`` or ``page_first``) into kvtier's
+which move whole runs of pages per request. SGLang's host pool is ordinary process memory: over
+the sidecar's Unix socket it is registered where it lies, as a process pool whose slots are the
+host pool's pages (:mod:`kvtier.integrations.in_place`), so ``batch_set_v1`` is one ``Store``
+straight from the host pages and ``batch_get_v1`` one ``Load`` straight into them, the sidecar
+copying to and from SGLang's memory itself, with the layout reordering each page from SGLang's
+(``layer_first`` ``[K|V][layer][token]…`` or ``page_first``) to kvtier's
 ``[layer][K|V][token][head][dim]``, so what one node stores another reads back the same way.
+Where that cannot be done (a session over TCP, a sidecar that may not reach this process, pages
+not aligned to whole host pages), and for the flat-page calls, pages go through a shared-memory
+staging pool of ``staging_slots`` pages (default 128, SGLang's storage batch): host pool →
+staging slots → one ``Store``; one ``Load`` → staging slots → host pool, reordered by torch.
 
 Keys are SGLang's own page hashes (hex strings chaining the prefix), reduced to kvtier's
 128-bit keys (their first 32 hex digits): kvtier accepts keys computed by the caller, and a
@@ -23,13 +28,16 @@ page's hash already names its whole prefix. The kvtier namespace is the model na
 geometry and the tensor-parallel rank/size SGLang gives, so ranks and models never mix.
 
 extra_config keys: ``sidecar`` (a target as :func:`kvtier.connect` takes; default the
-sidecar's default socket), ``auth_token``, ``staging_slots``, ``cache_salt``, ``model_name``
+sidecar's default socket), ``auth_token``, ``kv_path`` (``auto``, the default: the host pool in
+place where possible, else staging; ``in_place``: fail where not possible; ``staging``),
+``staging_slots``, ``cache_salt``, ``model_name``
 (default SGLang's), ``client_name``, ``reconnect_interval_s`` (default 2: how often a session
 the sidecar ended, by a restart, is tried again; SGLang computes meanwhile), ``store_timeout_s``
 (default 60: the longest a store is waited for; it is the store's ``not_after`` too, so the
 sidecar publishes nothing of one that timed out, and the staging slots are reused at once; only
 a store that failed earlier without saying how it ended makes the backend give the staging
-pool up and reopen the session with a new one).
+pool up and reopen the session with a new one; in place, such a store keeps the calling thread
+until its ``not_after``, so SGLang does not reuse pages the sidecar may still read).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from ..keys import BlockKeys
 from ..pool import CpuPool
 from ..results import PoolHandle, StoreResult
 from ..session import Session
+from .in_place import NotInPlace, register_in_place
 from .reopen import REOPEN_CONNECT_TIMEOUT_S, Reopener, discard_reopened, held_until
 from .staging import add_staging_pool, open_session, open_staging
 
@@ -84,6 +93,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self._staging_slots = int(extra.get("staging_slots", 128))
         if self._staging_slots < 1:
             raise ValueError(f"staging_slots = {self._staging_slots}: give at least 1")
+        self._kv_path = str(extra.get("kv_path", "auto"))
+        if self._kv_path not in ("auto", "in_place", "staging"):
+            raise ValueError(f"kv_path = {self._kv_path!r}: give auto, in_place or staging")
+        #: The host pool registered in place (its pages are the slots); None through staging.
+        self._direct: PoolHandle | None = None
         self._salt = str(extra.get("cache_salt", ""))
         self._model = str(extra.get("model_name") or storage_config.model_name or "sglang-model")
         self._client_name = str(extra.get("client_name", f"sglang-tp{storage_config.tp_rank}"))
@@ -123,6 +137,42 @@ class KvtierHiCacheStorage(HiCacheStorage):
             slots=self._staging_slots, model=self._model, tp_rank=self.config.tp_rank,
             tp_size=self.config.tp_size, engine_kv="SGLang's host pool",
         )
+        try:
+            self._direct = self._register_direct(self._session)
+        except BaseException:
+            self.close()
+            raise
+
+    def _host_planes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer the host pool's K and V as ``[pages, page_size, head, dim]`` views (its
+        whole pages)."""
+        h = self.mem_pool_host
+        p = h.page_size
+        first = h.layout == "layer_first"  # [2, layers, tokens, heads, dim]; page_first [2, tokens, layers, ...]
+        whole = h.kv_buffer.shape[2 if first else 1] // p * p
+        planes = []
+        for layer in range(h.layer_num):
+            k, v = ((h.kv_buffer[0, layer, :whole], h.kv_buffer[1, layer, :whole]) if first
+                    else (h.kv_buffer[0, :whole, layer], h.kv_buffer[1, :whole, layer]))
+            planes.append((k.unflatten(0, (-1, p)), v.unflatten(0, (-1, p))))
+        return planes
+
+    def _register_direct(self, session: Session) -> PoolHandle | None:
+        """The host pool registered in place in ``session`` (``kv_path`` auto or in_place), or
+        None (staging)."""
+        if self._kv_path == "staging":
+            return None
+        try:
+            handle = register_in_place(session, self._host_planes(), self._model, tp_rank=self.config.tp_rank,
+                                       tp_size=self.config.tp_size)
+        except (NotInPlace, KvtierError) as e:
+            if self._kv_path == "in_place":
+                raise KvtierError(f"kvtier: kv_path = in_place, but SGLang's host pool cannot be registered in "
+                                  f"place: {e}") from e
+            logger.info("kvtier: SGLang's host pool is copied through a staging pool: %s", e)
+            return None
+        logger.info("kvtier: SGLang's host pool registered in place")
+        return handle
 
     def close(self) -> None:
         """Closes the session (the sidecar unregisters the staging pool) and removes the pool file."""
@@ -149,9 +199,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
             is_open, made = self._reopener.replacement(self._session)
             if made is None:
                 return is_open
-            session, pool, handle = made
+            session, pool, handle, direct = made
             with self._lock:  # no page copy uses the old pool any more
-                old, self._session, self._handle = self._session, session, handle
+                old, self._session, self._handle, self._direct = self._session, session, handle, direct
                 if pool is not None:
                     old_pool, self._pool, self._tainted = self._pool, pool, False
                     if old_pool is not None:
@@ -159,38 +209,48 @@ class KvtierHiCacheStorage(HiCacheStorage):
             old.close()
             return True
 
-    def _reopen(self) -> tuple[Session, CpuPool | None, PoolHandle]:
+    def _reopen(self) -> tuple[Session, CpuPool | None, PoolHandle, PoolHandle | None]:
         """A new session with the staging pool registered again, or a new staging pool after a
-        store of unknown outcome (on the reopen thread)."""
+        store of unknown outcome, and the host pool in place again (on the reopen thread)."""
         assert self._pool is not None
         session = open_session(self._target, self._client_name, auth_token=self._auth_token,
                                geometry=self._pool.geometry, engine_kv="SGLang's host pool",
                                connect_timeout=REOPEN_CONNECT_TIMEOUT_S)
         try:
+            direct = self._register_direct(session)
             if self._tainted:
                 pool, handle = add_staging_pool(session, slots=self._staging_slots, model=self._model,
                                                 tp_rank=self.config.tp_rank, tp_size=self.config.tp_size)
-                return session, pool, handle
+                return session, pool, handle, direct
             return session, None, session.register_pool(self._pool, self._model, tp_rank=self.config.tp_rank,
-                                                        tp_size=self.config.tp_size)
+                                                        tp_size=self.config.tp_size), direct
         except BaseException:
             session.close()
             raise
 
-    def _store(self, session: Session, handle: PoolHandle, keys: BlockKeys, **kw: Any) -> StoreResult | None:
-        """One Store from the staging slots ``0..len(keys)``, or None when it failed. It carries
+    def _store(self, session: Session, handle: PoolHandle, keys: BlockKeys, slots: list[int] | None = None,
+               **kw: Any) -> StoreResult | None:
+        """One Store from the staging slots ``0..len(keys)`` (or in place from host pages
+        ``slots``), or None when it failed. It carries
         the moment this side stops waiting as its ``not_after``: the sidecar publishes nothing
         of copies that end later, even of a request it reads late, so the slots are free again
         once the call ends, a timeout included. Only a store that failed earlier without saying
         how it ended (a cancel, a dropped connection) may still be published from what the
         sidecar reads of the slots: the pool is given up (the session closed, a new pool made
-        when it is reopened) rather than written again."""
+        when it is reopened) rather than written again; in place, this thread waits for
+        ``not_after`` before SGLang may reuse the host pages."""
         not_after = time.time() + self._store_timeout_s
         try:
-            return session.store(handle, keys, range(len(keys)), cache_salt=self._salt, timeout=self._store_timeout_s,
-                                 not_after=not_after, **kw)
+            return session.store(handle, keys, range(len(keys)) if slots is None else slots, cache_salt=self._salt,
+                                 timeout=self._store_timeout_s, not_after=not_after, **kw)
         except KvtierError as e:
-            if held_until(e, not_after) is not None:
+            until = held_until(e, not_after)
+            if until is not None and slots is not None:
+                logger.warning("kvtier: a store's outcome is unknown (%s); its host pages are handed back at its "
+                               "not_after, in %.1f s", e, until - time.time())
+                # The sidecar publishes nothing of copies that end after not_after: a real deadline.
+                time.sleep(max(0.0, until - time.time()))
+            elif until is not None:
                 logger.warning("kvtier: a store's outcome is unknown (%s); the staging pool is replaced", e)
                 self._tainted = True
                 session.close()
@@ -247,6 +307,66 @@ class KvtierHiCacheStorage(HiCacheStorage):
                         return
                     put(start + j, self._slot(pool, j))
 
+    # --- in place: the host pool's pages are the slots --------------------------------------
+
+    def _in_place_slots(self, host_indices: torch.Tensor, n: int) -> list[int] | None:
+        """The host pages (slots of the in-place pool) of ``n`` pages at ``host_indices``, or None
+        when the host pool is not in place or a page is not one whole aligned host page."""
+        if self._direct is None or n == 0:
+            return None
+        p = self.mem_pool_host.page_size
+        idx = host_indices[: n * p].to(torch.int64).view(n, p)
+        first = idx[:, 0]
+        if bool((first % p != 0).any()) or not bool((idx - first[:, None] == torch.arange(p)).all()):
+            return None
+        return (first // p).tolist()  # type: ignore[no-any-return]
+
+    def _runs(self, keys: list[str], slots: list[int]) -> Any:
+        """``(start, keys, slots)`` runs of at most ``staging_slots`` pages (one request each)."""
+        for start in range(0, len(keys), self._staging_slots):
+            end = start + self._staging_slots
+            yield start, keys[start:end], slots[start:end]
+
+    def _direct_session(self) -> tuple[Session, PoolHandle] | None:
+        """The open session and the host pool's handle in it; None while the sidecar is away."""
+        if not self._session_ok():
+            return None
+        session, direct = self._session, self._direct
+        return None if session is None or direct is None else (session, direct)
+
+    def _load_in_place(self, keys: list[str], slots: list[int], out: list[bool]) -> None:
+        """Loads ``keys`` straight into host pages ``slots``, marking the leading run found."""
+        if (ready := self._direct_session()) is None:
+            return
+        session, direct = ready
+        for start, run, run_slots in self._runs(keys, slots):
+            try:
+                done = session.load_wait(direct, BlockKeys.from_ints(page_key(k) for k in run), run_slots,
+                                         cache_salt=self._salt)
+            except KvtierError as e:
+                logger.warning("kvtier: a load of %d pages failed: %s", len(run), e)
+                return
+            missing = set(done.missing)
+            for j, k in enumerate(run):
+                if page_key(k) in missing:
+                    return
+                out[start + j] = True
+
+    def _store_in_place(self, keys: list[str], slots: list[int], parent: int | None, out: list[bool]) -> None:
+        """Stores host pages ``slots`` under ``keys`` (one sequence's run), marking what was taken."""
+        if (ready := self._direct_session()) is None:
+            return
+        session, direct = ready
+        for start, run, run_slots in self._runs(keys, slots):
+            r = self._store(session, direct, BlockKeys.from_ints(page_key(k) for k in run), run_slots,
+                            parent=parent)
+            if r is None:
+                return
+            refused = set(r.no_space)
+            for j, k in enumerate(run):
+                out[start + j] = page_key(k) not in refused
+            parent = page_key(run[-1])
+
     # --- the page interface (interface_v1) -------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -266,9 +386,14 @@ class KvtierHiCacheStorage(HiCacheStorage):
     ) -> list[bool]:
         """Loads pages ``keys`` into the host pool at ``host_indices`` (page_size indices per
         page); one Load per staging batch. A page that is missing, and every page after it,
-        is False (SGLang uses the leading run)."""
+        is False (SGLang uses the leading run). In place: one Load per ``staging_slots`` pages,
+        straight into the host pages."""
         p = self.mem_pool_host.page_size
         out = [False] * len(keys)
+        slots = self._in_place_slots(host_indices, len(keys))
+        if slots is not None:
+            self._load_in_place(keys, slots, out)
+            return out
 
         def put(i: int, slot: torch.Tensor) -> None:
             self._host_page(int(host_indices[i * p])).copy_(slot)
@@ -282,14 +407,19 @@ class KvtierHiCacheStorage(HiCacheStorage):
     ) -> list[bool]:
         """Stores the host pool's pages at ``host_indices`` under ``keys`` (one run of one
         sequence); one Store per staging batch. A page kvtier refused (no host room, queue
-        full) is False; every page while the sidecar is away."""
+        full) is False; every page while the sidecar is away. In place: straight from the host
+        pages."""
         p = self.mem_pool_host.page_size
         out = [False] * len(keys)
+        prefix = extra_info.prefix_keys if extra_info is not None and extra_info.prefix_keys else None
+        parent = page_key(prefix[-1]) if prefix else None
+        slots = self._in_place_slots(host_indices, len(keys))
+        if slots is not None:
+            self._store_in_place(keys, slots, parent, out)
+            return out
         if not self._session_ok():
             return out
         session, pool, handle = self._ready()
-        prefix = extra_info.prefix_keys if extra_info is not None and extra_info.prefix_keys else None
-        parent = page_key(prefix[-1]) if prefix else None
         with self._lock:
             for start in range(0, len(keys), self._staging_slots):
                 run = keys[start : start + self._staging_slots]

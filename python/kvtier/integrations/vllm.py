@@ -23,10 +23,12 @@ namespace in ``Match``.
 Worker side (one per TP rank): :meth:`~KvtierConnector.register_kv_caches` takes vLLM's
 per-layer KV tensors (CPU or CUDA). Where the sidecar can reach them, they are registered in
 place (:mod:`kvtier.integrations.in_place`: CUDA memory by IPC handle, CPU memory in a shared
-file by its path) with the layout their strides give (vLLM's older ``[2, blocks, token, head,
-dim]``, and every physical layout of vLLM ≥ 0.34's ``[B, H, N, K‖V]`` views, K and V
-interleaved per token and head), and blocks move with no copy in Python: loads land in vLLM's
-blocks, stores read them. Otherwise (private CPU memory; a sidecar without CUDA) they go
+file by its path, private CPU memory — vLLM's own CPU KV — by address as a process pool that
+the sidecar reads and writes with cross-memory attach) with the layout their strides give
+(vLLM's older ``[2, blocks, token, head, dim]``, and every physical layout of vLLM ≥ 0.34's
+``[B, H, N, K‖V]`` views, K and V interleaved per token and head), and blocks move with no copy
+in Python: loads land in vLLM's blocks, stores read them. Otherwise (a sidecar without CUDA;
+private CPU memory over TCP, or that the sidecar may not reach) they go
 through a shared-memory staging pool (``staging_slots`` blocks) that torch copies blocks into
 and out of. :meth:`~KvtierConnector.start_load_kv` opens
 one ``Load`` per request (layer events); :meth:`~KvtierConnector.wait_for_layer_load` waits for
