@@ -419,11 +419,11 @@ impl KvTier for KvTierService {
         observed("RegisterPool", async {
             self.refuse_if_shutting_down()?;
             // The process at the other end of the Unix socket (a process pool's memory).
+            // None over TCP; Some(None) where the kernel gave no credentials.
             let peer_pid = request
                 .extensions()
                 .get::<tonic::transport::server::UdsConnectInfo>()
-                .and_then(|c| c.peer_cred)
-                .and_then(|c| c.pid());
+                .map(|c| c.peer_cred.and_then(|c| c.pid()));
             let r = request.into_inner();
             self.state.sessions.check(r.session_id)?;
             let claimed = geometry_from_proto(r.geometry.as_ref())?;
@@ -483,13 +483,21 @@ impl KvTier for KvTierService {
                 }
                 Some(proto::register_pool_request::Location::Process(process)) => {
                     let pid = match peer_pid {
-                        Some(p) if p > 0 => p as u32,
+                        Some(Some(p)) if p > 0 => p as u32,
                         // The kernel reports 0 for a peer outside the sidecar's PID namespace.
-                        Some(_) => {
+                        Some(Some(_)) => {
                             return Err(ServerError::Unsupported(
                                 "the engine's process is not visible from the sidecar's PID namespace (another \
                                  container?): share the process namespace (a pod's shareProcessNamespace) for a \
                                  process pool, or register a shared-memory pool"
+                                    .into(),
+                            ));
+                        }
+                        Some(None) => {
+                            return Err(ServerError::Unsupported(
+                                "the kernel gave no credentials for this connection (SO_PEERCRED), so the \
+                                 sidecar cannot tell whose memory a process pool would be: register a \
+                                 shared-memory pool"
                                     .into(),
                             ));
                         }

@@ -64,8 +64,9 @@ pub struct ProcessBuffer {
     pub bytes: u64,
 }
 
-/// A device pool in another process's memory, reached by pid (held by a pidfd, so a pool never
-/// copies into a process that reused the pid of one that exited).
+/// A device pool in another process's memory, reached by pid. The pid is held by a pidfd, which
+/// is checked before and after every batch of copies: a process that exited fails the batch
+/// (its pid could be reused only in the microseconds between a check and a copy).
 ///
 /// The sidecar needs ptrace-level access to the process: the same user (or `CAP_SYS_PTRACE`),
 /// and where Yama's `ptrace_scope` is 1, the process's leave (`prctl(PR_SET_PTRACER, sidecar
@@ -139,6 +140,23 @@ impl ProcessDevicePool {
                 return Err(field(
                     i,
                     format!("{:#x} + {} bytes wraps the address space", b.address, b.bytes),
+                )
+                .into());
+            }
+        }
+        // Buffers that share memory would let planes of different buffers overlap, which the
+        // layout's check (per buffer) cannot see.
+        let mut by_address: Vec<usize> = (0..buffers.len()).collect();
+        by_address.sort_unstable_by_key(|&i| buffers[i].address);
+        for w in by_address.windows(2) {
+            let (a, b) = (&buffers[w[0]], &buffers[w[1]]);
+            if b.address < a.address + a.bytes {
+                return Err(field(
+                    w[1].max(w[0]),
+                    format!(
+                        "overlaps process.buffers[{}]: give each allocation once",
+                        w[1].min(w[0])
+                    ),
                 )
                 .into());
             }
@@ -265,7 +283,12 @@ impl ProcessDevicePool {
     /// Runs the batch, then (a store) scatters what landed in the scratch buffer to the host
     /// pages; the scratch buffer is free again.
     fn flush(&self, to_process: bool, m: &mut Moves<'_>) -> Result<(), TransferError> {
+        if m.batch.remote.is_empty() {
+            return Ok(());
+        }
         self.run(to_process, std::mem::replace(&mut m.batch, Batch::new()))?;
+        // The process was alive when the batch began; still alive now, the bytes were its.
+        self.check_alive()?;
         for (at, page, len) in m.scatter.drain(..) {
             // SAFETY: `at..at + len` is inside the scratch buffer, `page` a checked range of the
             // host region this store fills (dma_address), which no one else writes meanwhile.
@@ -298,7 +321,7 @@ impl ProcessDevicePool {
                     .map_or(String::new(), |i| format!(" (buffer {i})"));
                 TransferError::PoolUnusable {
                     pool: format!("process {}'s memory", self.pid),
-                    reason: format!("bytes at {address:#x}{buffer} are not mapped in the process (freed?)"),
+                    reason: format!("bytes at {address:#x}{buffer} are {NOT_MAPPED}"),
                 }
             }
             _ => device_error("process_vm_readv/process_vm_writev", e),
@@ -352,6 +375,14 @@ fn advance(v: &mut [libc::iovec], i: &mut usize, mut n: usize) {
     }
 }
 
+/// What an EFAULT of a copy says (blamed on the engine's side until the host region says
+/// otherwise).
+const NOT_MAPPED: &str = "not mapped in the process (freed?)";
+
+fn is_fault(e: &TransferError) -> bool {
+    matches!(e, TransferError::PoolUnusable { reason, .. } if reason.ends_with(NOT_MAPPED))
+}
+
 fn gone(pid: libc::pid_t) -> TransferError {
     TransferError::PoolUnusable {
         pool: format!("process {pid}'s memory"),
@@ -392,7 +423,7 @@ impl DevicePool for ProcessDevicePool {
     ) -> Result<CopyTicket, TransferError> {
         self.check_alive()?;
         let to_process = direction == CopyDirection::HostToDevice;
-        SCRATCH.with_borrow_mut(|scratch| {
+        let copied = SCRATCH.with_borrow_mut(|scratch| {
             if scratch.len() < SCRATCH_BYTES {
                 scratch.resize(SCRATCH_BYTES, 0);
             }
@@ -461,7 +492,20 @@ impl DevicePool for ProcessDevicePool {
             }
             self.flush(to_process, &mut moves)?;
             Ok(CopyTicket::done())
-        })
+        });
+        // A fault of the host pages is theirs, not the engine's: the gather and scatter copies
+        // are caught by the region's guard, the kernel's copies come back as EFAULT.
+        if host.faulted() || copied.as_ref().is_err_and(is_fault) {
+            host.check_backing()?;
+            if host.faulted() {
+                return Err(kvtier_store::StoreError::RegionUnusable {
+                    region: host.name().to_owned(),
+                    reason: "a bus error was caught copying its pages".into(),
+                }
+                .into());
+            }
+        }
+        copied
     }
     fn check_usable(&self) -> Result<(), TransferError> {
         self.check_alive()
@@ -552,6 +596,20 @@ mod tests {
         .unwrap_err();
         assert!(
             e.to_string().contains("process.buffers[0]") && e.to_string().contains("wraps"),
+            "{e}"
+        );
+        // Two buffers over the same memory: planes in different buffers could overlap, which
+        // the layout's per-buffer check cannot see (a load would then write scratch bytes the
+        // pieces do not cover).
+        let mut twice = own(&engine);
+        twice.push(ProcessBuffer {
+            address: twice[0].address + 64,
+            bytes: 256,
+        });
+        let e = ProcessDevicePool::open(me, twice, g, 5, None).unwrap_err();
+        assert!(
+            e.to_string().contains("process.buffers[1]")
+                && e.to_string().contains("overlaps process.buffers[0]"),
             "{e}"
         );
         // Memory the process cannot give: made inaccessible, as freed memory is (but kept
