@@ -81,8 +81,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
     """An SGLang ``HiCacheStorage`` on a kvtier sidecar (see the module's documentation).
 
     Constructed by SGLang's backend factory as ``KvtierHiCacheStorage(storage_config, kwargs)``;
-    the session opens and the staging pool is registered when SGLang registers its host pool
-    (:meth:`register_mem_pool_host`), which fixes the geometry.
+    the session opens, and the staging pool and (``kv_path`` auto or in_place) the host pool
+    itself are registered, when SGLang registers its host pool (:meth:`register_mem_pool_host`),
+    which fixes the geometry.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
@@ -120,7 +121,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Opens the kvtier session and registers a staging pool of the host pool's geometry
-        (layers, KV heads, head dim, dtype, page size); the sidecar must serve that geometry."""
+        (layers, KV heads, head dim, dtype, page size; the sidecar must serve that geometry) and,
+        where it can, the host pool in place (``kv_path``)."""
         super().register_mem_pool_host(mem_pool_host)
         layout = getattr(mem_pool_host, "layout", None)
         if layout not in ("layer_first", "page_first"):
