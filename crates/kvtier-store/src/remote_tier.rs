@@ -661,7 +661,6 @@ impl RemoteTier {
                 let conn = conn.clone();
                 let name = self.key(ns, key);
                 let permits = Arc::clone(&self.inner.reads);
-                let len = self.inner.geometry.bytes_per_block();
                 self.inner.handle.spawn(async move {
                     let fetched = match conn {
                         None => Fetched::Failed(FetchFailure::Unavailable),
@@ -669,7 +668,9 @@ impl RemoteTier {
                             Err(_) => Fetched::Failed(FetchFailure::Unavailable),
                             Ok(_permit) => {
                                 // The client's own response timeout is the same bound.
-                                tokio::time::timeout(timeout, tier.fetch(conn, &name, ns, key, len, &writer))
+                                let deadline = tokio::time::Instant::now() + timeout;
+                                let fetch = tier.fetch(conn, &name, ns, key, &writer, deadline);
+                                tokio::time::timeout_at(deadline, fetch)
                                     .await
                                     .unwrap_or(Fetched::Failed(FetchFailure::Timeout))
                             }
@@ -699,9 +700,10 @@ impl RemoteTier {
         name: &str,
         ns: NamespaceFingerprint,
         key: BlockKey,
-        len: usize,
         writer: &PageWriter,
+        deadline: tokio::time::Instant,
     ) -> Fetched {
+        let len = self.inner.geometry.bytes_per_block();
         if let Some(d) = self.direct(&conn) {
             let get = Command::Get {
                 name,
@@ -710,7 +712,7 @@ impl RemoteTier {
                 len,
                 writer,
             };
-            let found = match d.run(get).await {
+            let found = match d.run(get, deadline).await {
                 Direct::Copied => Some(Fetched::Copied),
                 Direct::Absent => Some(Fetched::Absent),
                 Direct::Corrupt(reason) => Some(Fetched::Corrupt(reason)),
@@ -841,7 +843,12 @@ impl RemoteTier {
                 Err(_) => Err(DropReason::Unavailable),
                 Ok(_permit) => {
                     let started = Instant::now();
-                    let r = tokio::time::timeout(timeout, tier.write_one(conn, &name, ns, page, len)).await;
+                    let deadline = tokio::time::Instant::from_std(started) + timeout;
+                    let r = tokio::time::timeout_at(
+                        deadline,
+                        tier.write_one(conn, &name, ns, page, len, deadline),
+                    )
+                    .await;
                     let c = &tier.inner.counters;
                     c.write_busy_ns
                         .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -879,11 +886,13 @@ impl RemoteTier {
         ns: NamespaceFingerprint,
         page: PinnedPage,
         len: usize,
+        deadline: tokio::time::Instant,
     ) -> Result<(), DropReason> {
-        let (offset, header) = value_header(ns, &page, len).map_err(|e| {
+        let unreadable = |e: StoreError| {
             tracing::warn!(error = %e, "remote write: reading the host page failed");
             DropReason::Error
-        })?;
+        };
+        let (offset, header) = value_header(ns, &page, len).map_err(unreadable)?;
         if let Some(d) = self.direct(&conn) {
             let set = Command::Set {
                 name,
@@ -892,7 +901,7 @@ impl RemoteTier {
                 offset,
                 len,
             };
-            match d.run(set).await {
+            match d.run(set, deadline).await {
                 Direct::Copied => {
                     self.inner.counters.direct_writes.fetch_add(1, Ordering::Relaxed);
                     return Ok(());
@@ -906,10 +915,7 @@ impl RemoteTier {
         }
         let cmd = set_command(name, &header, &page, offset, len);
         drop(page);
-        let cmd = cmd.map_err(|e| {
-            tracing::warn!(error = %e, "remote write: reading the host page failed");
-            DropReason::Error
-        })?;
+        let cmd = cmd.map_err(unreadable)?;
         match cmd.query_async::<()>(&mut conn).await {
             Ok(()) => Ok(()),
             Err(e) if e.is_timeout() => Err(DropReason::Timeout),
@@ -1094,7 +1100,6 @@ fn value_header(
     let (offset, _) = page.layer_range(0)?;
     // SAFETY: as in `set_command`: a pinned, published host page is written by no one.
     let digest = unsafe { page.region().with_bytes(offset, len, kvtier_core::xxh3_64)? };
-    // (The same argument as `set_command`'s.)
     Ok((offset, encode_header(ns, page.key(), len as u64, digest)))
 }
 

@@ -5,7 +5,7 @@ use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
-use kvtier_core::{Dtype, KvGeometry, LayoutError, LayoutKind, PoolLayout, SlotPieces, xxh3_64};
+use kvtier_core::{Dtype, KvGeometry, LayoutError, LayoutKind, PoolLayout, xxh3_64};
 use kvtier_store::{CopyKind, Prefault, ShmRegion, StoreError};
 
 use crate::{CopyDirection, CopyTicket, DevicePool, SlotCopy, TransferError};
@@ -217,12 +217,6 @@ impl CpuDevicePool {
     }
 
     /// The pieces of block-layer (`slot`, `layer`) in the pool's one buffer.
-    fn pieces(&self, slot: u32, layer: u32) -> Result<SlotPieces, TransferError> {
-        self.check_slot(slot)?;
-        self.check_layer(layer)?;
-        Ok(self.layout.slot_pieces(&self.geometry, layer, slot))
-    }
-
     /// `(offset, len)` of block-layer (`slot`, `layer`) in [`CpuDevicePool::region`], for a
     /// pool whose V follows K (kvtier's format: the engine's forward pass writes there).
     ///
@@ -230,7 +224,7 @@ impl CpuDevicePool {
     /// [`TransferError::SlotOutOfRange`], [`StoreError::LayerOutOfRange`], and
     /// [`TransferError::Layout`] for a layer whose K and V are apart.
     pub fn slot_layer_range(&self, slot: u32, layer: u32) -> Result<(usize, usize), TransferError> {
-        match self.pieces(slot, layer)?.single() {
+        match self.slot_pieces(slot, layer)?.single() {
             Some(p) => Ok((p.offset as usize, p.len)),
             None => Err(LayoutError {
                 field: format!("layout.layers[{layer}]"),
@@ -254,7 +248,7 @@ impl CpuDevicePool {
             }
             .into());
         }
-        for p in self.pieces(slot, layer)? {
+        for p in self.slot_pieces(slot, layer)? {
             self.region.write(p.offset as usize, &src[p.at..p.at + p.len])?;
         }
         Ok(())
@@ -273,7 +267,7 @@ impl CpuDevicePool {
             }
             .into());
         }
-        for p in self.pieces(slot, layer)? {
+        for p in self.slot_pieces(slot, layer)? {
             self.region
                 .read(p.offset as usize, &mut dst[p.at..p.at + p.len])?;
         }
@@ -285,7 +279,7 @@ impl CpuDevicePool {
     /// # Errors
     /// Range errors.
     pub fn fill_slot_layer(&self, slot: u32, layer: u32, byte: u8) -> Result<(), TransferError> {
-        for p in self.pieces(slot, layer)? {
+        for p in self.slot_pieces(slot, layer)? {
             self.region.fill(p.offset as usize, p.len, byte)?;
         }
         Ok(())
@@ -297,7 +291,7 @@ impl CpuDevicePool {
     /// # Errors
     /// Range errors.
     pub fn slot_layer_xxh3(&self, slot: u32, layer: u32) -> Result<u64, TransferError> {
-        match self.pieces(slot, layer)?.single() {
+        match self.slot_pieces(slot, layer)?.single() {
             Some(p) => Ok(self.region.xxh3_64(p.offset as usize, p.len)?),
             None => {
                 let mut buf = vec![0u8; self.geometry.bytes_per_block_layer()];
@@ -353,7 +347,7 @@ impl DevicePool for CpuDevicePool {
             (&self.region, host)
         };
         for c in copies {
-            let ranges = self.pieces(c.slot, layer)?.map(|p| {
+            let ranges = self.slot_pieces(c.slot, layer)?.map(|p| {
                 let (slot, page) = (p.offset as usize, c.host_offset + p.at);
                 if to_device {
                     (page, slot, p.len)

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use kvtier_core::{KvGeometry, PoolLayout};
+use kvtier_core::{KvGeometry, PoolLayout, SlotPieces};
 use kvtier_store::ShmRegion;
 
 use crate::TransferError;
@@ -141,6 +141,16 @@ pub trait DevicePool: Send + Sync + fmt::Debug {
             });
         }
         Ok(())
+    }
+
+    /// Where (`slot`, `layer`)'s block-layer is in this pool's buffers, piece by piece.
+    ///
+    /// # Errors
+    /// [`TransferError::SlotOutOfRange`], [`kvtier_store::StoreError::LayerOutOfRange`].
+    fn slot_pieces(&self, slot: u32, layer: u32) -> Result<SlotPieces, TransferError> {
+        self.check_slot(slot)?;
+        self.check_layer(layer)?;
+        Ok(self.layout().slot_pieces(self.geometry(), layer, slot))
     }
 
     /// Checks that `layer` exists.

@@ -164,7 +164,10 @@ impl ProcessDevicePool {
         let pid_t = libc::pid_t::try_from(pid)
             .ok()
             .filter(|p| *p > 0)
-            .ok_or_else(|| field(0, format!("pid {pid} is not a process")))?;
+            .ok_or_else(|| TransferError::DeviceUnavailable {
+                device: "process",
+                reason: format!("pid {pid} names no process"),
+            })?;
         let layout =
             layout.unwrap_or_else(|| PoolLayout::of_kind(LayoutKind::Kvtier, &geometry, num_slots, 0));
         let sizes: Vec<u64> = buffers.iter().map(|b| b.bytes).collect();
@@ -230,12 +233,6 @@ impl ProcessDevicePool {
             return Err(gone(self.pid));
         }
         Ok(())
-    }
-
-    fn pieces(&self, slot: u32, layer: u32) -> Result<kvtier_core::SlotPieces, TransferError> {
-        self.check_slot(slot)?;
-        self.check_layer(layer)?;
-        Ok(self.layout.slot_pieces(&self.geometry, layer, slot))
     }
 
     fn remote_address(&self, p: &SlotPiece) -> usize {
@@ -439,15 +436,9 @@ impl DevicePool for ProcessDevicePool {
             let mut ordered: Vec<(usize, usize, usize)> = Vec::new();
             for c in copies {
                 let (mut lo, mut hi, mut total) = (usize::MAX, 0, 0);
-                for p in self.pieces(c.slot, layer)? {
-                    let page = c.host_offset.checked_add(p.at).ok_or(TransferError::Store(
-                        kvtier_store::StoreError::OutOfBounds {
-                            region: host.name().to_owned(),
-                            offset: c.host_offset,
-                            len: p.len,
-                            region_bytes: host.len(),
-                        },
-                    ))?;
+                for p in self.slot_pieces(c.slot, layer)? {
+                    // Past the end (even wrapping) is the host region's OutOfBounds.
+                    let page = c.host_offset.saturating_add(p.at);
                     let remote = self.remote_address(&p);
                     ordered.push((remote, host.dma_address(page, p.len)? as usize, p.len));
                     (lo, hi, total) = (lo.min(remote), hi.max(remote + p.len), total + p.len);

@@ -11,7 +11,8 @@
 //! Everything the cluster client is there for stays with it: the slot map comes from it
 //! (`CLUSTER SLOTS`), and whatever this path cannot do plainly is handed back to it, under the
 //! same deadline ([`Direct::Fallback`] from [`DirectIo::run`]): no route known,
-//! a master that does not answer within half the deadline or whose connection breaks (it is
+//! a master that does not answer in time (a read: within half the deadline; a write: by the
+//! deadline itself) or whose connection breaks (it is
 //! then left to the cluster client for `retry_ms`), a redirection (`MOVED` also drops the slot
 //! map until it is loaded again), any other error reply. With TLS everything goes through the
 //! cluster client.
@@ -184,18 +185,23 @@ impl DirectIo {
 
     /// Whether the slot map is missing (never loaded, or dropped by a command that found it
     /// wrong).
+    /// Cheap enough for every command: a load under way or one begun within
+    /// [`REFRESH_INTERVAL`] says no, so no task is spawned just to return at once.
     pub(super) fn needs_refresh(&self) -> bool {
         self.routes.read().unwrap_or_else(|e| e.into_inner()).is_none()
+            && !self.refreshing.load(Ordering::Acquire)
+            && lock(&self.last_refresh).is_none_or(|t| t.elapsed() >= REFRESH_INTERVAL)
     }
 
     /// Runs `command` (and reads its whole reply) on a connection to the master that owns its
     /// key: an idle one if there is one (and once more on a new one if that fails: the master
-    /// may have closed it), else a new one; a read within half the tier's deadline, a write
-    /// within all of it. What a read found, [`Direct::Copied`] for a write the master took,
+    /// may have closed it), else a new one; a read within half the tier's deadline (and by
+    /// `deadline`), a write by `deadline`, the caller's own: a write that has not ended then has
+    /// its master marked failed here, rather than being dropped by the caller's timer unseen. What a read found, [`Direct::Copied`] for a write the master took,
     /// [`Direct::Refused`] for one it refused, or [`Direct::Fallback`] when the command was not
     /// done (the caller goes through the cluster client): no master known for the key, or one
     /// that cannot be used now (it is then left to the cluster client for `retry`).
-    pub(super) async fn run(&self, command: Command<'_>) -> Direct {
+    pub(super) async fn run(&self, command: Command<'_>, deadline: tokio::time::Instant) -> Direct {
         let Some(addr) = self.master_of(command.name().as_bytes()) else {
             return Direct::Fallback;
         };
@@ -234,11 +240,12 @@ impl DirectIo {
                 }
             }
         };
-        let budget = match command {
-            Command::Get { .. } => self.timeout / 2,
-            Command::Set { .. } => self.timeout,
+        let by = match command {
+            Command::Get { .. } => deadline.min(tokio::time::Instant::now() + self.timeout / 2),
+            Command::Set { .. } => deadline,
         };
-        match tokio::time::timeout(budget, attempt).await {
+        let budget = by.saturating_duration_since(tokio::time::Instant::now());
+        match tokio::time::timeout_at(by, attempt).await {
             Ok(Ok(d)) => d,
             Ok(Err(e)) => {
                 self.failed(&addr, &e);

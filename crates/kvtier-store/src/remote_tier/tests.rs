@@ -242,6 +242,7 @@ fn blocks_round_trip_bit_exact_and_every_fault_is_a_counted_miss() {
         let port: u16 = n.rsplit_once(':').unwrap().1.parse().unwrap();
         cluster.cli_on(port, &["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
         cluster.cli_on(port, &["CONFIG", "SET", "maxmemory", "1"]);
+        cluster.cli_on(port, &["CONFIG", "RESETSTAT"]);
     }
     let refused = keys(2, 7);
     let (written, direct) = (
@@ -252,6 +253,20 @@ fn blocks_round_trip_bit_exact_and_every_fault_is_a_counted_miss() {
     let s = remote.stats();
     assert_eq!(s.dropped(DropReason::Error), 2, "{s:?}");
     assert_eq!((s.written_blocks_total, s.direct_writes_total), (written, direct));
+    // Each refused SET was sent once: not again through the cluster client.
+    let rejected: u64 = cluster
+        .nodes()
+        .iter()
+        .map(|n| {
+            let port: u16 = n.rsplit_once(':').unwrap().1.parse().unwrap();
+            let info = cluster.cli_on(port, &["INFO", "commandstats"]);
+            info.lines()
+                .find(|l| l.starts_with("cmdstat_set:"))
+                .and_then(|l| l.split(',').find_map(|f| f.strip_prefix("rejected_calls=")))
+                .map_or(0, |v| v.trim().parse::<u64>().unwrap())
+        })
+        .sum();
+    assert_eq!(rejected, 2, "refused SETs sent");
 }
 
 #[test]
