@@ -91,6 +91,9 @@ def test_set_exists_get_bit_exact(sidecar: Sidecar, layout: str, kv_path: str) -
         tokens = torch.randint(0, 50_000, (10 * PAGE,), generator=gen).tolist()
         keys = hashes(tokens)
         want = [page(host, i * PAGE).clone() for i in range(10)]
+        staged = []  # staging slots the page calls touched: none in place
+        slot_of = b._slot
+        b._slot = lambda pool, j: staged.append(j) or slot_of(pool, j)  # type: ignore[method-assign]
         assert b.batch_exists(keys) == 0
         assert b.batch_set_v1(keys, indices(0, 10)) == [True] * 10
         assert b.batch_exists(keys) == 10
@@ -103,11 +106,13 @@ def test_set_exists_get_bit_exact(sidecar: Sidecar, layout: str, kv_path: str) -
         # A page kvtier does not hold ends the run.
         unknown = hashes([9] * PAGE)
         assert b.batch_get_v1(keys[:2] + unknown + keys[3:4], indices(0, 4)) == [True, True, False, False]
+        assert (staged == []) == (kv_path == "auto"), "in place: no staging copy"
         # Pages not aligned to whole host pages go through staging (in place too).
         host.kv_buffer.zero_()
         assert b.batch_get_v1(keys[:2], indices(0, 2) + PAGE // 2) == [True, True]
         for i in range(2):
             assert torch.equal(page(host, i * PAGE + PAGE // 2).view(torch.int16), want[i].view(torch.int16)), i
+        assert staged, "misaligned pages went through staging"
         assert b.exists(keys[0]) and not b.exists(unknown[0])
         b.clear()
         assert b.batch_exists(keys) == 0

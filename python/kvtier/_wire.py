@@ -139,10 +139,19 @@ def process_registration(session_id: int, geometry: Geometry, buffers: Sequence[
                             tuple(buffers))
 
 
+#: The sidecar this process let in with PR_SET_PTRACER (0: none yet).
+_ptracer = 0
+
+
 def allow_sidecar(sidecar_pid: int) -> None:
     """Where Yama's ptrace_scope is 1, lets the sidecar (and only it) reach this process's memory
-    (prctl(PR_SET_PTRACER)); elsewhere nothing is changed (scope 0 needs no leave; 2 and 3 allow
-    no leave: the registration then says so)."""
+    (prctl(PR_SET_PTRACER)), once per sidecar; elsewhere nothing is changed (scope 0 needs no
+    leave; 2 and 3 allow no leave: the registration then says so). A process has one such
+    tracer: process pools on two sidecars at once need scope 0 or CAP_SYS_PTRACE. Raises
+    OSError when the kernel refuses."""
+    global _ptracer
+    if sidecar_pid <= 0 or sidecar_pid == _ptracer:  # 0: a sidecar that does not say its pid
+        return
     try:
         with open("/proc/sys/kernel/yama/ptrace_scope") as f:
             if f.read().strip() != "1":
@@ -152,7 +161,10 @@ def allow_sidecar(sidecar_pid: int) -> None:
     import ctypes
     PR_SET_PTRACER = 0x59616D61
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(sidecar_pid), 0, 0, 0)
+    if libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(sidecar_pid), 0, 0, 0) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"prctl(PR_SET_PTRACER, {sidecar_pid}): {os.strerror(e)}")
+    _ptracer = sidecar_pid
 
 
 def pool_id(pool: PoolRef) -> int:

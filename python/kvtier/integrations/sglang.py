@@ -42,6 +42,7 @@ until its ``not_after``, so SGLang does not reuse pages the sidecar may still re
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -287,27 +288,55 @@ class KvtierHiCacheStorage(HiCacheStorage):
         t = torch.from_numpy(arr) if arr.dtype != np.uint16 else torch.from_numpy(arr.view(np.int16))
         return t.view(self.mem_pool_host.dtype)
 
-    def _load_leading(self, keys: list[str], put: Any) -> None:
-        """Loads ``keys`` one staging batch (one Load) at a time and calls ``put(i, slot)``
-        for each page ``i`` in order with its staging slot as a torch view, stopping at the
-        first page kvtier does not hold (or at once while the sidecar is away)."""
-        if not self._session_ok():
-            return
+    def _runs(self, keys: list[str]) -> Any:
+        """``(start, run)``: ``keys`` in runs of at most ``staging_slots`` pages, one request each."""
+        for start in range(0, len(keys), self._staging_slots):
+            yield start, keys[start : start + self._staging_slots]
+
+    def _load_leading(self, keys: list[str], host_slots: list[int] | None, put: Any) -> None:
+        """Loads ``keys`` one run (one Load) at a time, in place into host pages ``host_slots``,
+        or (None) into the staging slots, and calls ``put(i, slot)`` for each page ``i`` in
+        order (``slot`` its staging slot as a torch view, None in place), stopping at the first
+        page kvtier does not hold. The caller checked the session."""
         session, pool, handle = self._ready()
-        with self._lock:
-            for start in range(0, len(keys), self._staging_slots):
-                run = keys[start : start + self._staging_slots]
+        direct = self._direct if host_slots is not None else None
+        with contextlib.nullcontext() if direct is not None else self._lock:
+            for start, run in self._runs(keys):
+                slots = range(len(run)) if host_slots is None else host_slots[start : start + len(run)]
                 try:
-                    done = session.load_wait(
-                        handle, BlockKeys.from_ints(page_key(k) for k in run), range(len(run)), cache_salt=self._salt
-                    )
-                except KvtierError:
+                    done = session.load_wait(direct or handle, BlockKeys.from_ints(page_key(k) for k in run), slots,
+                                             cache_salt=self._salt)
+                except KvtierError as e:
+                    logger.warning("kvtier: a load of %d pages failed: %s", len(run), e)
                     return
                 missing = set(done.missing)
                 for j, k in enumerate(run):
                     if page_key(k) in missing:
                         return
-                    put(start + j, self._slot(pool, j))
+                    put(start + j, None if direct is not None else self._slot(pool, j))
+
+    def _store_leading(self, keys: list[str], host_slots: list[int] | None, parent: int | None, stage: Any,
+                       out: list[bool]) -> None:
+        """Stores ``keys`` (one sequence's run, after ``parent``) one run (one Store) at a time,
+        in place from host pages ``host_slots``, or (None) from the staging slots, which
+        ``stage(i, slot)`` fills with page ``i`` first; marks in ``out`` what kvtier took. The
+        caller checked the session."""
+        session, pool, handle = self._ready()
+        direct = self._direct if host_slots is not None else None
+        with contextlib.nullcontext() if direct is not None else self._lock:
+            for start, run in self._runs(keys):
+                if direct is None:
+                    for j in range(len(run)):
+                        stage(start + j, self._slot(pool, j))
+                slots = None if host_slots is None else host_slots[start : start + len(run)]
+                r = self._store(session, direct or handle, BlockKeys.from_ints(page_key(k) for k in run), slots,
+                                parent=parent)
+                if r is None:
+                    return
+                refused = set(r.no_space)
+                for j, k in enumerate(run):
+                    out[start + j] = page_key(k) not in refused
+                parent = page_key(run[-1])
 
     # --- in place: the host pool's pages are the slots --------------------------------------
 
@@ -322,52 +351,6 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if bool((first % p != 0).any()) or not bool((idx - first[:, None] == torch.arange(p)).all()):
             return None
         return (first // p).tolist()  # type: ignore[no-any-return]
-
-    def _runs(self, keys: list[str], slots: list[int]) -> Any:
-        """``(start, keys, slots)`` runs of at most ``staging_slots`` pages (one request each)."""
-        for start in range(0, len(keys), self._staging_slots):
-            end = start + self._staging_slots
-            yield start, keys[start:end], slots[start:end]
-
-    def _direct_session(self) -> tuple[Session, PoolHandle] | None:
-        """The open session and the host pool's handle in it; None while the sidecar is away."""
-        if not self._session_ok():
-            return None
-        session, direct = self._session, self._direct
-        return None if session is None or direct is None else (session, direct)
-
-    def _load_in_place(self, keys: list[str], slots: list[int], out: list[bool]) -> None:
-        """Loads ``keys`` straight into host pages ``slots``, marking the leading run found."""
-        if (ready := self._direct_session()) is None:
-            return
-        session, direct = ready
-        for start, run, run_slots in self._runs(keys, slots):
-            try:
-                done = session.load_wait(direct, BlockKeys.from_ints(page_key(k) for k in run), run_slots,
-                                         cache_salt=self._salt)
-            except KvtierError as e:
-                logger.warning("kvtier: a load of %d pages failed: %s", len(run), e)
-                return
-            missing = set(done.missing)
-            for j, k in enumerate(run):
-                if page_key(k) in missing:
-                    return
-                out[start + j] = True
-
-    def _store_in_place(self, keys: list[str], slots: list[int], parent: int | None, out: list[bool]) -> None:
-        """Stores host pages ``slots`` under ``keys`` (one sequence's run), marking what was taken."""
-        if (ready := self._direct_session()) is None:
-            return
-        session, direct = ready
-        for start, run, run_slots in self._runs(keys, slots):
-            r = self._store(session, direct, BlockKeys.from_ints(page_key(k) for k in run), run_slots,
-                            parent=parent)
-            if r is None:
-                return
-            refused = set(r.no_space)
-            for j, k in enumerate(run):
-                out[start + j] = page_key(k) not in refused
-            parent = page_key(run[-1])
 
     # --- the page interface (interface_v1) -------------------------------------------------
 
@@ -392,16 +375,15 @@ class KvtierHiCacheStorage(HiCacheStorage):
         straight into the host pages."""
         p = self.mem_pool_host.page_size
         out = [False] * len(keys)
-        slots = self._in_place_slots(host_indices, len(keys))
-        if slots is not None:
-            self._load_in_place(keys, slots, out)
+        if not keys or not self._session_ok():
             return out
 
-        def put(i: int, slot: torch.Tensor) -> None:
-            self._host_page(int(host_indices[i * p])).copy_(slot)
+        def put(i: int, slot: torch.Tensor | None) -> None:
+            if slot is not None:
+                self._host_page(int(host_indices[i * p])).copy_(slot)
             out[i] = True
 
-        self._load_leading(keys, put)
+        self._load_leading(keys, self._in_place_slots(host_indices, len(keys)), put)
         return out
 
     def batch_set_v1(
@@ -413,28 +395,15 @@ class KvtierHiCacheStorage(HiCacheStorage):
         pages."""
         p = self.mem_pool_host.page_size
         out = [False] * len(keys)
+        if not keys or not self._session_ok():
+            return out
         prefix = extra_info.prefix_keys if extra_info is not None and extra_info.prefix_keys else None
         parent = page_key(prefix[-1]) if prefix else None
-        slots = self._in_place_slots(host_indices, len(keys))
-        if slots is not None:
-            self._store_in_place(keys, slots, parent, out)
-            return out
-        if not self._session_ok():
-            return out
-        session, pool, handle = self._ready()
-        with self._lock:
-            for start in range(0, len(keys), self._staging_slots):
-                run = keys[start : start + self._staging_slots]
-                for j in range(len(run)):
-                    index = int(host_indices[(start + j) * p])
-                    self._slot(pool, j).copy_(self._host_page(index))
-                r = self._store(session, handle, BlockKeys.from_ints(page_key(k) for k in run), parent=parent)
-                if r is None:
-                    return out
-                refused = set(r.no_space)
-                for j, k in enumerate(run):
-                    out[start + j] = page_key(k) not in refused
-                parent = page_key(run[-1])
+
+        def stage(i: int, slot: torch.Tensor) -> None:
+            slot.copy_(self._host_page(int(host_indices[i * p])))
+
+        self._store_leading(keys, self._in_place_slots(host_indices, len(keys)), parent, stage, out)
         return out
 
     # --- the per-page interface (flat tensors), for SGLang's generic path ------------------
@@ -462,7 +431,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
             self._flat_page(dst).copy_(slot)
             out[i] = dst
 
-        self._load_leading(keys, put)
+        if self._session_ok():
+            self._load_leading(keys, None, put)
         return out
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
@@ -477,8 +447,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             return False
         session, pool, handle = self._ready()
         with self._lock:
-            for start in range(0, len(keys), self._staging_slots):
-                run = keys[start : start + self._staging_slots]
+            for start, run in self._runs(keys):
                 for j in range(len(run)):
                     self._slot(pool, j).copy_(self._flat_page(values[start + j]))
                 r = self._store(session, handle, BlockKeys.from_ints(page_key(k) for k in run))
